@@ -1,0 +1,169 @@
+"""All buckets of one reducer: copying gradients in, and averaged results back out.
+
+[Note: views that alias .grad]
+With ``gradient_as_bucket_view=True`` a parameter's ``.grad`` *is* its bucket view, so
+autograd accumulates straight into the flat bucket and no copy is needed. ``.grad``
+may be replaced behind our back (``zero_grad(set_to_none=True)`` sets it to ``None``;
+autograd then creates a fresh tensor): ``gather_grads`` notices by identity, copies
+the fresh gradient in and points ``.grad`` back at the view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .buckets import ParamInfo, assign_buckets
+from .grad_bucket import BucketStorage
+
+
+class BucketSet:
+    """The buckets of one assignment, and where each parameter lives in them."""
+
+    def __init__(
+        self, params: list[torch.Tensor], sparse: list[bool], order: Sequence[int], caps: list[int]
+    ) -> None:
+        self.params = params
+        self.sparse = sparse
+        self.caps = caps
+        infos = [
+            ParamInfo(p.numel() * p.element_size(), (p.device, p.dtype), s) for p, s in zip(params, sparse)
+        ]
+        self.assignment = assign_buckets(infos, order, caps)
+        self.storages = [
+            BucketStorage(indices, [params[i] for i in indices], sparse[indices[0]])
+            for indices in self.assignment
+        ]
+        self.bucket_of = [0] * len(params)
+        self.slot_of = [0] * len(params)
+        for b, indices in enumerate(self.assignment):
+            for slot, i in enumerate(indices):
+                self.bucket_of[i] = b
+                self.slot_of[i] = slot
+        self.device = params[0].device
+        self._backups: dict[int, torch.Tensor] = {}
+
+    def rebuilt(self, order: Sequence[int], caps: list[int], as_view: bool) -> BucketSet:
+        """A new assignment in ``order``; bucket-view gradients move into the new buckets."""
+        new = BucketSet(self.params, self.sparse, order, caps)
+        if as_view:
+            for storage in new.storages:
+                for param, view in zip(storage.params, storage.views):
+                    if param.grad is not None:
+                        view.copy_(param.grad)
+                        param.grad = view
+        return new
+
+    def view_of(self, index: int) -> torch.Tensor:
+        return self.storages[self.bucket_of[index]].views[self.slot_of[index]]
+
+    # ------------------------------------------------------------------ copy in
+    def gather_grads(self, b: int, as_view: bool, unused: set[int], names: list[str]) -> None:
+        """Put the current ``.grad`` of bucket ``b``'s parameters into its flat buffer."""
+        storage = self.storages[b]
+        grads = [p.grad for p in storage.params]
+        if not as_view and not unused and None not in grads:
+            torch._foreach_copy_(storage.views, grads)
+            return
+        for i, param, view, grad in zip(storage.param_indices, storage.params, storage.views, grads):
+            if grad is not None and grad.is_sparse:
+                raise RuntimeError(
+                    f"Parameter '{names[i]}' produced a sparse gradient, but its module was not "
+                    "declared sparse when wrapping (only nn.Embedding/EmbeddingBag(sparse=True) are)"
+                )
+            if grad is view:
+                if i in unused:
+                    # Reduction overwrites this .grad; keep it in case no rank used the parameter.
+                    self._backups[i] = grad.clone()
+                continue
+            if grad is None:
+                view.zero_()
+                continue
+            view.copy_(grad)
+            if as_view and i not in unused:
+                param.grad = view
+
+    # ------------------------------------------------------------------ copy out
+    def write_back(
+        self,
+        results: list[Any],
+        as_view: bool,
+        globally_used: list[bool] | None,
+        unused: set[int],
+    ) -> list[str]:
+        """Wait for every launched bucket in order and write the averages to ``.grad``.
+
+        Returns error messages (bad hook results, failed collectives); the caller raises.
+        """
+        errors: list[str] = []
+        for b, (storage, pending) in enumerate(zip(self.storages, results)):
+            if pending is None:
+                continue
+            try:
+                result = _wait(pending)
+            except Exception as error:  # noqa: BLE001 - reported with the bucket named
+                errors.append(f"reduction of bucket {b} failed: {error}")
+                continue
+            if storage.sparse:
+                index = storage.param_indices[0]
+                if globally_used is None or globally_used[index]:
+                    storage.params[0].grad = result
+                continue
+            if result is not None and result is not storage.flat:
+                problem = _check_result(b, result, storage.flat)
+                if problem:
+                    errors.append(problem)
+                    continue
+                storage.flat.copy_(result.view(-1))
+            self._copy_out(storage, as_view, globally_used, unused)
+        self._backups.clear()
+        return errors
+
+    def _copy_out(self, storage: BucketStorage, as_view: bool, used: list[bool] | None, unused: set[int]) -> None:
+        params, views = storage.params, storage.views
+        if used is None and not unused and not as_view:
+            grads = [p.grad for p in params]
+            if None not in grads:
+                torch._foreach_copy_(grads, views)
+                return
+        for i, param, view in zip(storage.param_indices, params, views):
+            if used is not None and not used[i]:
+                backup = self._backups.get(i)
+                if backup is not None:
+                    view.copy_(backup)
+                continue
+            grad = param.grad
+            if as_view:
+                if grad is not view:
+                    param.grad = view
+            elif grad is None:
+                param.grad = view.clone()
+            else:
+                grad.copy_(view)
+
+
+def _wait(pending: Any) -> torch.Tensor | None:
+    if isinstance(pending, torch.futures.Future):
+        value = pending.wait()
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        return value
+    pending.wait()  # a dist.Work from the default all-reduce: the result is in place
+    return None
+
+
+def _check_result(b: int, result: Any, flat: torch.Tensor) -> str | None:
+    if result is None:
+        return None
+    if not isinstance(result, torch.Tensor):
+        return f"comm hook returned a future of {type(result).__name__} for bucket {b}; it must yield one tensor"
+    if result.numel() != flat.numel():
+        return (
+            f"comm hook result for bucket {b} has shape {tuple(result.shape)} "
+            f"({result.numel()} elements) but the bucket holds {flat.numel()} elements"
+        )
+    if not (result.is_floating_point() or result.is_complex()):
+        return f"comm hook result for bucket {b} has dtype {result.dtype}; expected a floating dtype like {flat.dtype}"
+    return None

@@ -1,0 +1,252 @@
+"""``DistributedDataParallel``: the ``nn.Module`` wrapper users import.
+
+It owns the user-facing contract (torch 2.13's constructor and methods); the gradient
+work happens in ``reducer.py``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm, options
+from .device import move_to_device
+from .reducer import Reducer, ReducerState
+
+logger = logging.getLogger(__name__)
+
+_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel training of ``module``: one process per device, gradients averaged.
+
+    Drop-in for ``torch.nn.parallel.DistributedDataParallel`` (same arguments and
+    methods); the bucketing, hooks and reductions are gradsync's own Python.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+    ) -> None:
+        super().__init__()
+        options.reject_unsupported(
+            check_reduction=check_reduction,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+        )
+        self.process_group = options.resolve_process_group(process_group, device_mesh)
+        self.module = module
+        named_params = self._collect_parameters(module)
+        options.check_parameters(module, named_params)
+        self.device = options.resolve_device(device_ids, output_device, named_params)
+        self.device_ids = None if self.device is None else [self.device.index]
+        self.output_device = None if self.device is None else (output_device or self.device)
+        self.dim = dim
+        caps = options.resolve_caps(bucket_cap_mb, bucket_cap_mb_list)
+        init_sync_buffers, self.forward_sync_buffers = options.resolve_buffer_sync(
+            broadcast_buffers, forward_sync_buffers
+        )
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        # Our bucket copy is always one batched op per bucket, which is what torch's
+        # batched_grad_copy opts into; the flag is accepted and changes nothing.
+        self.batched_grad_copy = batched_grad_copy
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._synced_buffers = self._collect_buffers(module)
+        self._trainable = [p for _, p in module.named_parameters()]
+        self._trainable_flags = [p.requires_grad for p in self._trainable]
+        if init_sync:
+            comm.verify_same_parameters(named_params, self.process_group)
+            state = [p.detach() for _, p in named_params]
+            if init_sync_buffers:
+                state += self._synced_buffers
+            comm.broadcast_coalesced(state, self._authoritative_rank(), self.process_group)
+        sparse = self._sparse_flags(module, named_params)
+        self.reducer = Reducer(
+            named_params,
+            sparse,
+            self.process_group,
+            caps,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+        )
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _collect_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """Trainable, not ignored, each shared parameter once, in registration order."""
+        ignored = set(getattr(module, _IGNORE_ATTR, ()))
+        seen: set[int] = set()
+        named = []
+        for module_name, sub in module.named_modules():
+            for param_name, param in sub.named_parameters(recurse=False):
+                fqn = f"{module_name}.{param_name}" if module_name else param_name
+                if not param.requires_grad or fqn in ignored or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                named.append((fqn, param))
+        return named
+
+    @staticmethod
+    def _collect_buffers(module: nn.Module) -> list[torch.Tensor]:
+        ignored = set(getattr(module, _IGNORE_ATTR, ()))
+        return [b for name, b in module.named_buffers() if name not in ignored]
+
+    @staticmethod
+    def _sparse_flags(module: nn.Module, named_params: list[tuple[str, nn.Parameter]]) -> list[bool]:
+        sparse_ids = {
+            id(sub.weight)
+            for sub in module.modules()
+            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
+        }
+        return [id(p) in sparse_ids for _, p in named_params]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """Exclude the named parameters and buffers from reduction and broadcast (as torch)."""
+        setattr(module, _IGNORE_ATTR, list(params_and_buffers_to_ignore))
+
+    def _authoritative_rank(self) -> int:
+        return dist.get_global_rank(self.process_group, 0)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function("gradsync::forward"):
+            grad_enabled = torch.is_grad_enabled()
+            if grad_enabled:
+                self._check_trainable_unchanged()
+                self.reducer.prepare_for_forward()
+            if self.will_sync_module_buffers():
+                self._sync_buffers()
+            if self.device is not None:
+                inputs = move_to_device(inputs, self.device)
+                kwargs = move_to_device(kwargs, self.device)
+            output = self.module(*inputs, **kwargs)
+            if grad_enabled and self.require_backward_grad_sync:
+                self.require_forward_param_sync = True
+                self.reducer.prepare_for_backward(output)
+            else:
+                self.require_forward_param_sync = False
+                self.reducer.skip_backward()
+            return output
+
+    def will_sync_module_buffers(self) -> bool:
+        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._synced_buffers)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def _sync_buffers(self) -> None:
+        with torch.profiler.record_function("gradsync::sync_buffers"):
+            comm.broadcast_coalesced(self._synced_buffers, self._authoritative_rank(), self.process_group)
+
+    def _check_trainable_unchanged(self) -> None:
+        flags = [p.requires_grad for p in self._trainable]
+        if flags == self._trainable_flags:
+            return
+        names = dict((id(p), n) for n, p in self.module.named_parameters())
+        changed = [names.get(id(p), "?") for p, old, new in zip(self._trainable, self._trainable_flags, flags) if old != new]
+        raise RuntimeError(
+            f"requires_grad changed on parameters {changed} after they were wrapped in "
+            f"DistributedDataParallel (rank {self.reducer.rank}). The buckets were built for the old "
+            "set and would train silently wrong. Freeze or unfreeze layers before wrapping, or wrap "
+            "the model again after changing requires_grad."
+        )
+
+    # ------------------------------------------------------------------ user API
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first synced backward afterwards averages them.
+
+        The *forward* must run inside the context (as with torch's DDP).
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch's contract)."""
+        _check_comm_hook(hook)
+        if self.reducer.comm_hook is not None:
+            raise RuntimeError(
+                "A comm hook is already registered on this DistributedDataParallel; register_comm_hook "
+                "can be called only once. Compose hooks inside one function instead."
+            )
+        if self.reducer.iteration > 0 or self.reducer.state is not ReducerState.IDLE:
+            raise RuntimeError(
+                f"register_comm_hook was called after training started (rank {self.reducer.rank}, "
+                f"iteration {self.reducer.iteration}); register the hook before the first forward."
+            )
+        self.reducer.register_comm_hook(state, hook)
+
+    def _set_static_graph(self) -> None:
+        if self.reducer.iteration > 0 or self.reducer.state is not ReducerState.IDLE:
+            raise RuntimeError("_set_static_graph() must be called before the first forward.")
+        self.static_graph = True
+        self.reducer.static_graph = True
+
+    def train(self, mode: bool = True) -> DistributedDataParallel:
+        super().train(mode)
+        return self
+
+
+def _check_comm_hook(hook: Callable[..., Any]) -> None:
+    if not callable(hook):
+        raise TypeError(f"comm hook must be callable as hook(state, bucket), got {type(hook).__name__}.")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return
+    bucket = signature.parameters.get("bucket")
+    if bucket is not None and bucket.annotation is not inspect.Parameter.empty:
+        if "GradBucket" not in str(getattr(bucket.annotation, "__name__", bucket.annotation)):
+            raise ValueError(
+                f"comm hook {hook.__qualname__}: the 'bucket' argument is annotated as "
+                f"{bucket.annotation!r}; it must be a GradBucket (torch.distributed.GradBucket)."
+            )
+    returned = signature.return_annotation
+    if returned is not inspect.Signature.empty and "Future" not in str(returned):
+        raise ValueError(
+            f"comm hook {hook.__qualname__}: return annotation {returned!r} must be "
+            "torch.futures.Future[torch.Tensor]."
+        )

@@ -1,0 +1,111 @@
+"""Flat gradient storage for one bucket, and the object comm hooks receive.
+
+``BucketStorage`` is ours: one flat tensor per bucket plus a view of it shaped like
+each parameter. ``GradBucket`` is what a comm hook sees; it honours the contract of
+torch's ``dist.GradBucket`` (``index``, ``buffer``, ``set_buffer``, ``gradients``,
+``parameters``, ``is_last``) so torch's built-in hooks run unchanged.
+
+[Note: one allocation per bucket]
+Every bucket owns a separate flat tensor rather than a slice of one big slab: hooks
+may ``resize_`` or ``set_buffer`` the buffer, and a resize of a view into a shared
+slab would silently overwrite the neighbouring bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _is_non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
+    """True when the strides are a permutation of a dense layout (e.g. channels_last)."""
+    if tensor.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda item: item[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def make_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """A view of ``flat`` shaped (and, when possible, strided) like ``param``.
+
+    Matching the parameter's strides keeps the gradient layout contract, so a
+    ``.grad`` that is a bucket view looks like one autograd would have produced.
+    """
+    if param.is_contiguous() or not _is_non_overlapping_and_dense(param):
+        return flat.narrow(0, offset, param.numel()).view(param.shape)
+    return flat.as_strided(param.shape, param.stride(), offset)
+
+
+class BucketStorage:
+    """One bucket's parameters, its flat buffer and per-parameter views into it."""
+
+    __slots__ = ("param_indices", "params", "flat", "views", "offsets", "sparse")
+
+    def __init__(self, param_indices: list[int], params: list[torch.Tensor], sparse: bool) -> None:
+        self.param_indices = param_indices
+        self.params = params
+        self.sparse = sparse
+        self.offsets: list[int] = []
+        total = 0
+        for param in params:
+            self.offsets.append(total)
+            total += param.numel()
+        if sparse:
+            # A sparse gradient cannot live in a dense flat buffer: it is reduced as it is.
+            self.flat = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
+            self.views: list[torch.Tensor] = []
+        else:
+            self.flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+            self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+
+class GradBucket:
+    """A bucket as a communication hook sees it (torch's ``dist.GradBucket`` contract).
+
+    ``buffer()`` is the flat tensor of the bucket's gradients, not divided by the world
+    size; ``gradients()`` are views into it shaped like ``parameters()``.
+    """
+
+    __slots__ = ("_index", "_buffer", "_storage", "_is_last")
+
+    def __init__(self, index: int, buffer: torch.Tensor, storage: BucketStorage, is_last: bool):
+        self._index = index
+        self._buffer = buffer
+        self._storage = storage
+        self._is_last = is_last
+
+    def index(self) -> int:
+        """Position of this bucket in this iteration's launch order (changes at the rebuild)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace the tensor ``buffer()`` returns (e.g. by a compressed copy)."""
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        if self._storage.sparse:
+            return [self._buffer]
+        if self._buffer is self._storage.flat:
+            return list(self._storage.views)
+        return [make_view(self._buffer, o, p) for o, p in zip(self._storage.offsets, self._storage.params)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._storage.params)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def __repr__(self) -> str:
+        return f"GradBucket(index={self._index}, numel={self._buffer.numel()}, params={len(self._storage.params)})"

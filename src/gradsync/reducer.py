@@ -1,0 +1,350 @@
+"""The reducer: turns per-parameter gradients into averaged gradients, bucket by bucket.
+
+Glossary
+--------
+parameter      a tensor of the wrapped module that requires grad, known by its index
+               (registration order) and its name.
+``.grad``      the gradient autograd accumulates on the parameter.
+flat bucket    one 1-D tensor holding the gradients of several parameters back to back
+               (``BucketStorage.flat``); it is what one collective reduces.
+bucket view    a view of the flat bucket shaped like one parameter.
+ready          a parameter is ready once autograd has finished accumulating its ``.grad``
+               for this backward (a post-accumulate-grad hook tells us).
+launched       a bucket whose collective (or comm hook) has been started.
+finalized      every launched bucket has been waited for and its result written to ``.grad``.
+
+Lifecycle per iteration: ``prepare_for_forward`` → ``prepare_for_backward`` →
+``mark_ready`` (per parameter, from autograd) → ``launch`` (per bucket, strictly in
+index order) → ``finalize`` (once, at the end of backward).
+
+[Note: launch order]
+A bucket whose parameters are all ready is launched only after every bucket before it
+was launched. Gradients may become ready in a different order on each rank; launching
+in index order makes every rank issue the same sequence of collectives anyway.
+
+[Note: end-of-backward callback]
+``finalize`` runs as an autograd-engine callback queued on the *outermost* backward. A
+pre-hook on the autograd nodes that produced the forward's outputs queues it: those
+nodes run first in a backward through the outputs, before reentrant checkpointing can
+start nested backwards (whose own callbacks would finish too early). If a parameter
+hook fires before any output node (a parameter used outside forward), it queues the
+callback itself, still on the outer backward.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from . import comm, graph
+from .bucket_set import BucketSet
+from .grad_bucket import GradBucket
+
+logger = logging.getLogger(__name__)
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+
+class ReducerState(enum.Enum):
+    IDLE = "idle"  # no synced forward is waiting for its backward; hooks only note usage
+    ARMED = "armed"  # a synced forward ran; its backward has not started yet
+    REDUCING = "reducing"  # a synced backward is running: buckets are being launched
+    FINALIZED = "finalized"  # averaged gradients of the last synced forward are in .grad
+
+
+class Reducer:
+    """Buckets, readiness tracking and reduction for one wrapped module."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        sparse: list[bool],
+        process_group: dist.ProcessGroup,
+        caps: list[int],
+        *,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+        static_graph: bool,
+        rebuild_caps: list[int] | None = None,
+    ) -> None:
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.find_unused = find_unused_parameters
+        self.static_graph = static_graph
+        self.as_view = gradient_as_bucket_view
+        self.caps = caps
+        self.rebuild_caps = rebuild_caps or caps
+        self.sparse = sparse
+        # Initial order: reverse registration, since later layers get gradients first.
+        self.buckets = BucketSet(self.params, sparse, list(reversed(range(len(self.params)))), caps)
+        self.comm_hook: CommHook | None = None
+        self.comm_hook_state: Any = None
+        self.state = ReducerState.IDLE
+        self.iteration = 0  # synced backwards finalized so far
+        self.rebuilt = False
+        # Rebuilding from the observed order is only sound when every parameter reports
+        # in every iteration (torch makes the same choice).
+        self._rebuild_pending = static_graph or not find_unused_parameters
+        self._ready_order: list[int] = []
+        self._param_index = {id(p): i for i, p in enumerate(self.params)}
+        self._used_since_sync = [False] * len(self.params)
+        self._forward_unused: set[int] | None = None
+        self._static_expected: list[int] | None = None  # hook firings per parameter
+        self._static_unused: set[int] = set()
+        self._output_hook_handles: list[Any] = []
+        self._callback_queued = False
+        self._reset_iteration()
+        self._grad_hook_handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))
+            for i, p in enumerate(self.params)
+        ]
+
+    # ------------------------------------------------------------------ lifecycle
+    def _reset_iteration(self) -> None:
+        n = len(self.params)
+        self._ready = [False] * n
+        self._fired = [0] * n
+        self._marked_unused: set[int] = set()
+        self._pending = [len(b.params) for b in self.buckets.storages]
+        self._next_bucket = 0
+        self._results: list[Any] = []
+        self._errors: list[str] = []
+
+    def prepare_for_forward(self) -> None:
+        """Called before every grad-enabled forward: check the last backward, rebuild once."""
+        if self.state is ReducerState.REDUCING:
+            raise RuntimeError(
+                f"gradsync: the backward pass of iteration {self.iteration} started reducing "
+                f"gradients on rank {self.rank} but never finished (an exception during backward?). "
+                "The replicas may no longer agree; restart from a checkpoint."
+            )
+        if self._rebuild_pending and self.iteration >= 1:
+            self._rebuild_from_observed_order()
+
+    def prepare_for_backward(self, output: Any) -> None:
+        """After a synced forward: expect the next backward through ``output`` to reduce."""
+        for handle in self._output_hook_handles:
+            handle.remove()
+        roots = graph.output_grad_fns(output)
+        self._output_hook_handles = [node.register_prehook(self._on_output_backward) for node in roots]
+        if self.find_unused and not self.static_graph:
+            reached = graph.reachable_leaves(roots)
+            unused = {i for i, p in enumerate(self.params) if id(p) not in reached}
+            # Several forwards before one backward: a parameter used by any of them is used.
+            if self.state is ReducerState.ARMED and self._forward_unused is not None:
+                unused &= self._forward_unused
+            self._forward_unused = unused
+        self.state = ReducerState.ARMED
+        self._reset_iteration()
+
+    def skip_backward(self) -> None:
+        """After a forward that must not sync (``no_sync`` or no grad)."""
+        if self.state is ReducerState.ARMED:
+            self.state = ReducerState.IDLE
+
+    # ------------------------------------------------------------------ autograd side
+    def _on_output_backward(self, grad_outputs: Any) -> None:
+        if self.state is ReducerState.FINALIZED:
+            # A second backward through the same retained graph: reduce it as well, so
+            # the gradients it adds are averaged too instead of silently local.
+            self.state = ReducerState.ARMED
+            self._reset_iteration()
+        if self.state is ReducerState.ARMED:
+            self._queue_finalize()
+
+    def _queue_finalize(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finalize_callback)
+
+    def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
+        self._used_since_sync[index] = True
+        state = self.state
+        if state is ReducerState.ARMED:
+            self._begin_reduction()
+        elif state is not ReducerState.REDUCING:
+            return  # no_sync, or a backward not through a synced forward's outputs
+        self._fired[index] += 1
+        if self._static_expected is None and self.static_graph:
+            if self._fired[index] == 1 and self.iteration == 0:
+                self._ready_order.append(index)
+            return  # first static-graph iteration: everything is reduced at the end
+        if self._static_expected is not None:
+            if self._fired[index] == self._static_expected[index]:
+                self._mark_ready(index)
+            elif self._fired[index] > self._static_expected[index]:
+                self._errors.append(self._static_graph_error(index))
+            return
+        if self._ready[index]:
+            self._errors.append(self._twice_error(index))
+            return
+        if self._rebuild_pending and self.iteration == 0:
+            self._ready_order.append(index)
+        self._mark_ready(index)
+
+    def _begin_reduction(self) -> None:
+        self.state = ReducerState.REDUCING
+        self._queue_finalize()
+        if self._static_expected is not None:
+            unused = self._static_unused
+        else:
+            unused = self._forward_unused or set()
+        for index in sorted(unused):
+            self._marked_unused.add(index)
+            self._mark_ready(index)
+
+    def _mark_ready(self, index: int) -> None:
+        self._ready[index] = True
+        bucket = self.buckets.bucket_of[index]
+        self._pending[bucket] -= 1
+        if self._pending[bucket] == 0 and bucket == self._next_bucket:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        pending = self._pending
+        count = len(pending)
+        while self._next_bucket < count and pending[self._next_bucket] == 0:
+            self._launch(self._next_bucket)
+            self._next_bucket += 1
+
+    # ------------------------------------------------------------------ reduction
+    def _launch(self, b: int) -> None:
+        storage = self.buckets.storages[b]
+        if storage.sparse:
+            self._results.append(self._launch_sparse(b))
+            return
+        try:
+            self.buckets.gather_grads(b, self.as_view, self._used_since_sync, self.names)
+        except (RuntimeError, ValueError) as error:
+            self._errors.append(f"{error} (rank {self.rank}, iteration {self.iteration})")
+        flat = storage.flat
+        if self.comm_hook is None:
+            flat.div_(self.world_size)
+            work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+            self._results.append(work)
+            return
+        bucket = GradBucket(b, flat, storage, is_last=b == len(self.buckets.storages) - 1)
+        try:
+            self._results.append(self.comm_hook(self.comm_hook_state, bucket))
+        except Exception as error:  # noqa: BLE001 - surfaced from backward() with context
+            name = getattr(self.comm_hook, "__qualname__", repr(self.comm_hook))
+            self._errors.append(f"comm hook {name} raised on bucket {b}: {error!r}")
+            self._results.append(None)
+
+    def _launch_sparse(self, b: int) -> Any:
+        index = self.buckets.storages[b].param_indices[0]
+        param = self.params[index]
+        grad = param.grad
+        if grad is None:  # unused here: contribute an empty sparse gradient of the right shape
+            indices = torch.empty((1, 0), dtype=torch.int64, device=param.device)
+            values = param.new_empty((0, *param.shape[1:]))
+            grad = torch.sparse_coo_tensor(indices, values, param.shape)
+        grad = grad.coalesce()
+        if self.comm_hook is None:
+            grad = grad / self.world_size
+            return dist.all_reduce(grad, group=self.process_group, async_op=True).get_future()
+        bucket = GradBucket(b, grad, self.buckets.storages[b], is_last=b == len(self.buckets.storages) - 1)
+        return self.comm_hook(self.comm_hook_state, bucket)
+
+    def _finalize_callback(self) -> None:
+        self._callback_queued = False
+        if self.state is not ReducerState.REDUCING:
+            return  # this backward touched no parameter (e.g. autograd.grad on an input)
+        try:
+            self._finalize()
+        finally:
+            self.state = ReducerState.FINALIZED
+
+    def _finalize(self) -> None:
+        first_static_iteration = self.static_graph and self._static_expected is None
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        if missing and not first_static_iteration:
+            if self._static_expected is not None:
+                self._errors.extend(self._static_graph_error(i) for i in missing if self._static_expected[i])
+            elif not self.find_unused:
+                self._errors.append(self._unused_error(missing))
+        # Every bucket is launched, so every rank issues the same collectives even when
+        # some parameters got no gradient here; their .grad (or zeros) is contributed.
+        for index in missing:
+            self._marked_unused.add(index)
+            self._mark_ready(index)
+        globally_used = self._agree_on_used() if self.find_unused or first_static_iteration else None
+        self._errors.extend(
+            self.buckets.write_back(self._results, self.as_view, globally_used, self._marked_unused)
+        )
+        if first_static_iteration:
+            self._static_expected = list(self._fired)
+            self._static_unused = {i for i, n in enumerate(self._fired) if n == 0}
+            if globally_used is not None:
+                never = [self.names[i] for i, used in enumerate(globally_used) if not used]
+                if never:
+                    logger.info("static graph: parameters unused on every rank: %s", never)
+        self._used_since_sync = [False] * len(self.params)
+        self.iteration += 1
+        if self._errors:
+            raise RuntimeError("; ".join(dict.fromkeys(self._errors)))
+
+    def _agree_on_used(self) -> list[bool]:
+        used = torch.tensor(self._used_since_sync, dtype=torch.int32, device=self.buckets.device)
+        dist.all_reduce(used, group=self.process_group)
+        return [bool(u) for u in used.tolist()]
+
+    # ------------------------------------------------------------------ rebuild
+    def _rebuild_from_observed_order(self) -> None:
+        seen = set(self._ready_order)
+        local = self._ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
+        src = dist.get_global_rank(self.process_group, 0)
+        order = comm.broadcast_int_list(local, src, self.process_group, self.buckets.device)
+        self.buckets = self.buckets.rebuilt(order, self.rebuild_caps, self.as_view)
+        self._rebuild_pending = False
+        self._ready_order = []
+        self.rebuilt = True
+        self._reset_iteration()
+        logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))
+
+    # ------------------------------------------------------------------ errors
+    def _unused_error(self, missing: list[int]) -> str:
+        names = [self.names[i] for i in missing]
+        return (
+            f"Parameters {names} received no gradient on rank {self.rank} in iteration "
+            f"{self.iteration}. Pass find_unused_parameters=True to DistributedDataParallel if "
+            "the forward pass does not use them all (or the loss does not depend on every output)."
+        )
+
+    def _twice_error(self, index: int) -> str:
+        return (
+            f"Parameter '{self.names[index]}' received its gradient in several pieces during one "
+            f"backward on rank {self.rank} in iteration {self.iteration} (is its module checkpointed "
+            "more than once with use_reentrant=True, or used outside forward while "
+            "find_unused_parameters treated it as unused?). Pass static_graph=True, or use "
+            "torch.utils.checkpoint with use_reentrant=False."
+        )
+
+    def _static_graph_error(self, index: int) -> str:
+        return (
+            f"static_graph=True but parameter '{self.names[index]}' got its gradient "
+            f"{self._fired[index]} time(s) in iteration {self.iteration} on rank {self.rank}, "
+            f"versus {self._static_expected[index] if self._static_expected else 0} in the first "
+            "iteration. The graph changed; construct DistributedDataParallel with static_graph=False."
+        )
+
+    # ------------------------------------------------------------------ hooks
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        self.comm_hook_state = state
+        self.comm_hook = hook
+
+    def remove_hooks(self) -> None:
+        for handle in self._grad_hook_handles + self._output_hook_handles:
+            handle.remove()
+        self._grad_hook_handles = []
+        self._output_hook_handles = []
