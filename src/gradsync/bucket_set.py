@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .buckets import ParamInfo, assign_buckets
 from .grad_bucket import BucketStorage
@@ -22,19 +23,14 @@ from .grad_bucket import BucketStorage
 class BucketSet:
     """The buckets of one assignment, and where each parameter lives in them."""
 
-    def __init__(
-        self, params: list[torch.Tensor], sparse: list[bool], order: Sequence[int], caps: list[int]
-    ) -> None:
+    def __init__(self, params: list[torch.Tensor], sparse: list[bool], order: Sequence[int], caps: list[int]) -> None:
         self.params = params
         self.sparse = sparse
         self.caps = caps
-        infos = [
-            ParamInfo(p.numel() * p.element_size(), (p.device, p.dtype), s) for p, s in zip(params, sparse)
-        ]
+        infos = [ParamInfo(p.numel() * p.element_size(), (p.device, p.dtype), s) for p, s in zip(params, sparse)]
         self.assignment = assign_buckets(infos, order, caps)
         self.storages = [
-            BucketStorage(indices, [params[i] for i in indices], sparse[indices[0]])
-            for indices in self.assignment
+            BucketStorage(indices, [params[i] for i in indices], sparse[indices[0]]) for indices in self.assignment
         ]
         self.bucket_of = [0] * len(params)
         self.slot_of = [0] * len(params)
@@ -145,13 +141,13 @@ class BucketSet:
 
 
 def _wait(pending: Any) -> torch.Tensor | None:
-    if isinstance(pending, torch.futures.Future):
-        value = pending.wait()
-        if isinstance(value, list) and len(value) == 1:
-            value = value[0]
-        return value
-    pending.wait()  # a dist.Work from the default all-reduce: the result is in place
-    return None
+    if isinstance(pending, dist.Work):
+        pending.wait()  # the default all-reduce: the result is already in the flat bucket
+        return None
+    value = pending.wait()  # a future from a comm hook
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]  # raw collective futures yield a one-element list
+    return value
 
 
 def _check_result(b: int, result: Any, flat: torch.Tensor) -> str | None:

@@ -31,9 +31,7 @@ class ParamInfo:
     sparse: bool = False
 
 
-def bucket_caps_bytes(
-    bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None
-) -> list[int]:
+def bucket_caps_bytes(bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None) -> list[int]:
     """The cap of bucket 0, 1, 2, ...; the last entry applies to every later bucket."""
     if bucket_cap_mb_list is not None:
         return [int(cap * MIB) for cap in bucket_cap_mb_list]
@@ -42,9 +40,7 @@ def bucket_caps_bytes(
     return [int(bucket_cap_mb * MIB)]
 
 
-def assign_buckets(
-    params: Sequence[ParamInfo], order: Sequence[int], caps: Sequence[int]
-) -> list[list[int]]:
+def assign_buckets(params: Sequence[ParamInfo], order: Sequence[int], caps: Sequence[int]) -> list[list[int]]:
     """Group parameter indices into buckets, visiting them in ``order``.
 
     Returns the buckets in the order they close, which is the order in which they will

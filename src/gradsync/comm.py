@@ -92,9 +92,7 @@ def describe_mismatch(signatures: list[list[ParamSignature]]) -> str | None:
     return "; ".join(problems)
 
 
-def verify_same_parameters(
-    named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup
-) -> None:
+def verify_same_parameters(named_params: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup) -> None:
     """Raise on every rank if any rank wraps different parameters than rank 0."""
     mine = signature_of(named_params)
     gathered: list[list[ParamSignature] | None] = [None] * dist.get_world_size(group)
@@ -108,9 +106,7 @@ def verify_same_parameters(
         )
 
 
-def broadcast_int_list(
-    values: list[int], src: int, group: dist.ProcessGroup, device: torch.device
-) -> list[int]:
+def broadcast_int_list(values: list[int], src: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
     """Every rank gets ``src``'s list; all lists must have the same length."""
     tensor = torch.tensor(values, dtype=torch.int64, device=device)
     dist.broadcast(tensor, src=src, group=group)

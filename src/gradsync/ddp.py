@@ -181,8 +181,10 @@ class DistributedDataParallel(nn.Module):
         flags = [p.requires_grad for p in self._trainable]
         if flags == self._trainable_flags:
             return
-        names = dict((id(p), n) for n, p in self.module.named_parameters())
-        changed = [names.get(id(p), "?") for p, old, new in zip(self._trainable, self._trainable_flags, flags) if old != new]
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        changed = [
+            names.get(id(p), "?") for p, old, new in zip(self._trainable, self._trainable_flags, flags) if old != new
+        ]
         raise RuntimeError(
             f"requires_grad changed on parameters {changed} after they were wrapped in "
             f"DistributedDataParallel (rank {self.reducer.rank}). The buckets were built for the old "
@@ -247,6 +249,5 @@ def _check_comm_hook(hook: Callable[..., Any]) -> None:
     returned = signature.return_annotation
     if returned is not inspect.Signature.empty and "Future" not in str(returned):
         raise ValueError(
-            f"comm hook {hook.__qualname__}: return annotation {returned!r} must be "
-            "torch.futures.Future[torch.Tensor]."
+            f"comm hook {hook.__qualname__}: return annotation {returned!r} must be torch.futures.Future[torch.Tensor]."
         )

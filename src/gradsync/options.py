@@ -30,9 +30,7 @@ class ResolvedOptions:
 
 def resolve_process_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
     if process_group is not None and device_mesh is not None:
-        raise RuntimeError(
-            "Pass either process_group or device_mesh to DistributedDataParallel, not both."
-        )
+        raise RuntimeError("Pass either process_group or device_mesh to DistributedDataParallel, not both.")
     if device_mesh is not None:
         if device_mesh.ndim != 1:
             raise RuntimeError(
@@ -144,8 +142,7 @@ def reject_unsupported(
 ) -> None:
     if check_reduction:
         warnings.warn(
-            "check_reduction is deprecated and has no effect; gradsync always checks that every "
-            "parameter was reduced.",
+            "check_reduction is deprecated and has no effect; gradsync always checks that every parameter was reduced.",
             FutureWarning,
             stacklevel=4,
         )

@@ -279,9 +279,7 @@ class Reducer:
             self._marked_unused.add(index)
             self._mark_ready(index)
         globally_used = self._agree_on_used() if self.find_unused or first_static_iteration else None
-        self._errors.extend(
-            self.buckets.write_back(self._results, self.as_view, globally_used, self._marked_unused)
-        )
+        self._errors.extend(self.buckets.write_back(self._results, self.as_view, globally_used, self._marked_unused))
         if first_static_iteration:
             self._static_expected = list(self._fired)
             self._static_unused = {i for i, n in enumerate(self._fired) if n == 0}

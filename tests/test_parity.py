@@ -1,0 +1,100 @@
+"""Gradients and weights equal single-process training, and torch's own DDP."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gradsync import DistributedDataParallel as DDP
+
+from harness import run_distributed
+from models import (
+    MODELS,
+    all_gather_flat,
+    assert_grads_close,
+    global_batch,
+    grads_of,
+    loss_fn,
+    make_model,
+    rank_world,
+    reference_step,
+    shard,
+)
+
+CAPS = {"tiny": 0.0001, "default": None, "huge": 1000.0}
+
+
+def _one_backward_sweep() -> int:
+    rank, world = rank_world()
+    checked = 0
+    for name in MODELS:
+        for cap in CAPS.values():
+            for as_view in (False, True):
+                find_unused = name == "unused_branch"
+                model = make_model(name)
+                reference = copy.deepcopy(model)
+                ddp = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=as_view, find_unused_parameters=find_unused)
+                for step in range(2):  # the second step runs on rebuilt buckets
+                    x, y = global_batch(name, world, step)
+                    model.zero_grad()
+                    reference.zero_grad()
+                    loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+                    reference_step(reference, x, y, world)
+                    assert_grads_close(grads_of(model), grads_of(reference))
+                    checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_one_backward_matches_single_process(world_size: int) -> None:
+    counts = run_distributed(_one_backward_sweep, world_size, timeout_s=240)
+    assert counts == [len(MODELS) * len(CAPS) * 2 * 2] * world_size
+
+
+def _train_20_steps(name: str, as_view: bool) -> None:
+    rank, world = rank_world()
+    model = make_model(name)
+    reference = copy.deepcopy(model)
+    ddp = DDP(model, gradient_as_bucket_view=as_view, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for step in range(20):
+        x, y = global_batch(name, world, step)
+        opt.zero_grad()
+        loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        reference_step(reference, x, y, world)
+        ref_opt.step()
+        replicas = all_gather_flat(list(model.parameters()))
+        assert all(torch.equal(replicas[0], r) for r in replicas), f"replicas differ after step {step}"
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=1e-5, rtol=1e-4), f"{pname} differs from single-process training"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", ["mlp", "cnn_bn"])
+@pytest.mark.parametrize("as_view", [False, True])
+def test_twenty_sgd_steps_match_single_process(world_size: int, name: str, as_view: bool) -> None:
+    run_distributed(_train_20_steps, world_size, name, as_view)
+
+
+def _compare_with_torch_ddp(name: str) -> None:
+    rank, world = rank_world()
+    ours_model = make_model(name)
+    torch_model = copy.deepcopy(ours_model)
+    ours = DDP(ours_model, find_unused_parameters=name == "unused_branch")
+    theirs = torch.nn.parallel.DistributedDataParallel(torch_model, find_unused_parameters=name == "unused_branch")
+    for step in range(3):
+        x, y = global_batch(name, world, step)
+        for ddp in (ours, theirs):
+            ddp.zero_grad()
+            loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+        assert_grads_close(grads_of(ours_model), grads_of(torch_model), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn_bn", "unused_branch", "mixed_fp32_fp64", "sparse_embedding"])
+def test_gradients_match_torch_ddp(name: str) -> None:
+    run_distributed(_compare_with_torch_ddp, 2, name)
