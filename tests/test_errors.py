@@ -1,0 +1,154 @@
+"""Misuse gets a clear error naming what, where and how to fix it."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync import DistributedDataParallel as DDP
+
+from harness import run_distributed
+from models import MLP, global_batch, loss_fn, rank_world, shard
+
+
+def _mismatched_shapes() -> str:
+    rank, _ = rank_world()
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4 if rank == 0 else 5))
+    with pytest.raises(ValueError) as error:
+        DDP(model)
+    return str(error.value)
+
+
+def test_parameter_shape_mismatch_is_reported_on_every_rank() -> None:
+    for message in run_distributed(_mismatched_shapes, 2):
+        assert "'1.weight'" in message and "rank 1" in message
+        assert "shape (4, 16) vs (5, 16)" in message
+
+
+def _mismatched_count() -> str:
+    rank, _ = rank_world()
+    layers = [nn.Linear(4, 4) for _ in range(2 + rank)]
+    with pytest.raises(ValueError) as error:
+        DDP(nn.Sequential(*layers))
+    return str(error.value)
+
+
+def test_parameter_count_mismatch_is_reported_on_every_rank() -> None:
+    for message in run_distributed(_mismatched_count, 3):
+        assert "rank 0 wraps 4 parameters but rank 1 wraps 6" in message
+        assert "rank 0 wraps 4 parameters but rank 2 wraps 8" in message
+        assert "'2.weight'" in message
+
+
+def _constructor_validation() -> None:
+    trainable = MLP()
+    frozen = MLP().requires_grad_(False)
+    cases = [
+        (RuntimeError, "no parameter that requires grad", lambda: DDP(frozen)),
+        (ValueError, "device_ids must be None for a CPU module", lambda: DDP(trainable, device_ids=[0])),
+        (ValueError, "output_device must be None", lambda: DDP(trainable, output_device=0)),
+        (ValueError, "one process driving several devices", lambda: DDP(trainable, device_ids=[0, 1])),
+        (ValueError, "bucket_cap_mb must be a positive", lambda: DDP(trainable, bucket_cap_mb=0)),
+        (ValueError, "bucket_cap_mb must be a positive", lambda: DDP(trainable, bucket_cap_mb=-1)),
+        (ValueError, "bucket_cap_mb_list", lambda: DDP(trainable, bucket_cap_mb_list=[])),
+        (RuntimeError, "not initialized yet", lambda: DDP(nn.Sequential(nn.LazyLinear(4)))),
+        (NotImplementedError, "mixed_precision", lambda: DDP(trainable, mixed_precision=object())),
+        (
+            NotImplementedError,
+            "skip_all_reduce_unused_params",
+            lambda: DDP(trainable, skip_all_reduce_unused_params=True),
+        ),
+        (ValueError, "given together", lambda: DDP(trainable, delay_all_reduce_named_params=[])),
+        (
+            NotImplementedError,
+            "delay_all_reduce_named_params",
+            lambda: DDP(trainable, delay_all_reduce_named_params=[], param_to_hook_all_reduce=object()),
+        ),
+        (RuntimeError, "not both", lambda: DDP(trainable, process_group=dist.group.WORLD, device_mesh=object())),
+        (ValueError, "torch.nn.SyncBatchNorm", lambda: DDP(nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4)))),
+    ]
+    for exc_type, text, build in cases:
+        with pytest.raises(exc_type, match=text):
+            build()
+    with pytest.warns(FutureWarning, match="check_reduction"):
+        DDP(MLP(), check_reduction=True)
+    with pytest.warns(FutureWarning, match="broadcast_buffers is deprecated"):
+        DDP(MLP(), broadcast_buffers=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DDP(MLP())  # the defaults warn about nothing
+
+
+def test_constructor_validation() -> None:
+    run_distributed(_constructor_validation, 2)
+
+
+def _requires_grad_toggled() -> str:
+    rank, world = rank_world()
+    model = MLP()
+    ddp = DDP(model)
+    x, y = global_batch("mlp", world, 0)
+    loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+    model.layers[0][0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError) as error:
+        ddp(shard(x, rank, world))
+    return str(error.value)
+
+
+def test_requires_grad_toggled_after_wrapping_raises() -> None:
+    for rank, message in enumerate(run_distributed(_requires_grad_toggled, 2)):
+        assert "['layers.0.0.weight']" in message and f"rank {rank}" in message
+        assert "wrap the model again" in message
+
+
+def _comm_hook_registration() -> None:
+    rank, world = rank_world()
+
+    def hook(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    def bad_annotation(state, bucket: int):
+        return None
+
+    ddp = DDP(MLP())
+    with pytest.raises(TypeError, match="callable"):
+        ddp.register_comm_hook(None, 42)
+    with pytest.raises(ValueError, match="'bucket' argument is annotated"):
+        ddp.register_comm_hook(None, bad_annotation)
+    ddp.register_comm_hook(None, hook)
+    with pytest.raises(RuntimeError, match="only once"):
+        ddp.register_comm_hook(None, hook)
+    late = DDP(MLP())
+    x, y = global_batch("mlp", world, 0)
+    loss_fn(late(shard(x, rank, world)), shard(y, rank, world)).backward()
+    with pytest.raises(RuntimeError, match="after training started"):
+        late.register_comm_hook(None, hook)
+
+
+def test_comm_hook_registration_errors() -> None:
+    run_distributed(_comm_hook_registration, 2)
+
+
+def _hook_exception_reaches_backward() -> str:
+    rank, world = rank_world()
+
+    def exploding_hook(state, bucket):
+        raise ValueError("boom in hook")
+
+    ddp = DDP(MLP())
+    ddp.register_comm_hook(None, exploding_hook)
+    x, y = global_batch("mlp", world, 0)
+    with pytest.raises(RuntimeError) as error:
+        loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+    return str(error.value)
+
+
+def test_exception_in_comm_hook_reaches_backward_with_hook_name() -> None:
+    for message in run_distributed(_hook_exception_reaches_backward, 2):
+        assert "exploding_hook" in message and "boom in hook" in message

@@ -1,0 +1,159 @@
+"""Initial sync, buffer sync, state_dict, input placement."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+
+import pytest
+import torch
+
+from gradsync import DistributedDataParallel as DDP
+from gradsync.device import move_to_device
+
+from harness import run_distributed
+from models import MLP, ConvBN, all_gather_flat, global_batch, loss_fn, rank_world, shard
+
+
+def _init_sync(init_sync: bool) -> bool:
+    rank, _ = rank_world()
+    torch.manual_seed(rank)  # every rank starts from different weights
+    model = ConvBN()
+    DDP(model, init_sync=init_sync)
+    params = all_gather_flat(list(model.parameters()))
+    buffers = all_gather_flat([b.float() for b in model.buffers() if b.is_floating_point()])
+    return all(torch.equal(params[0], p) for p in params) and all(torch.equal(buffers[0], b) for b in buffers)
+
+
+def test_init_sync_broadcasts_rank0_state() -> None:
+    assert run_distributed(_init_sync, 3, True) == [True] * 3
+
+
+def test_init_sync_false_leaves_replicas_alone() -> None:
+    assert run_distributed(_init_sync, 2, False) == [False] * 2
+
+
+def _buffer_sync(mode: str) -> tuple[bool, bool]:
+    """Returns (buffers equal across ranks after wrapping, after the next forward)."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model = ConvBN()
+    model.bn1.running_mean.fill_(float(rank))  # rank-dependent buffer before wrapping
+    kwargs = {
+        "default": {},
+        "forward_sync_off": {"forward_sync_buffers": False},
+        "broadcast_buffers_off": {"broadcast_buffers": False},
+    }[mode]
+    ddp = DDP(model, **kwargs)
+    after_wrap = all_gather_flat([model.bn1.running_mean])
+    x, y = global_batch("cnn_bn", world, 0)
+    loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+    # training forwards update running stats from local data, so ranks differ here;
+    # rank 0's values are what every rank must hold after the next forward's sync
+    expected = all_gather_flat([model.bn1.running_mean])[0]
+    ddp.eval()
+    with torch.no_grad():
+        ddp(shard(x, rank, world))
+    after_next = all_gather_flat([model.bn1.running_mean])
+    wrap_equal = all(torch.equal(after_wrap[0], t) for t in after_wrap)
+    next_equal = all(torch.equal(expected, t) for t in after_next)
+    return wrap_equal, next_equal
+
+
+def test_buffers_broadcast_before_forward_by_default() -> None:
+    assert run_distributed(_buffer_sync, 2, "default") == [(True, True)] * 2
+
+
+def test_forward_sync_buffers_false_keeps_init_sync_only() -> None:
+    assert run_distributed(_buffer_sync, 2, "forward_sync_off") == [(True, False)] * 2
+
+
+def test_broadcast_buffers_false_skips_init_and_forward_sync() -> None:
+    # rank 1's result differs: its own buffers are not rank 0's, before or after
+    results = run_distributed(_buffer_sync, 2, "broadcast_buffers_off")
+    assert results == [(False, False)] * 2
+
+
+def _state_dict_round_trip() -> None:
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    ours = DDP(MLP())
+    theirs = torch.nn.parallel.DistributedDataParallel(MLP())
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert all(key.startswith("module.") for key in ours.state_dict())
+    x, y = global_batch("mlp", world, 0)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.5)
+    loss_fn(ours(shard(x, rank, world)), shard(y, rank, world)).backward()
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(ours.state_dict(), buffer)
+    buffer.seek(0)
+    theirs.load_state_dict(torch.load(buffer))
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p, q)
+    again = DDP(MLP())
+    again.load_state_dict(theirs.state_dict())
+    for p, q in zip(again.parameters(), ours.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_interchangeable_with_torch_ddp() -> None:
+    run_distributed(_state_dict_round_trip, 2)
+
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+
+
+@dataclasses.dataclass
+class Batch:
+    features: torch.Tensor
+    extras: dict
+    label: str = "x"
+
+
+def test_move_to_device_walks_every_container() -> None:
+    meta = torch.device("meta")
+    batch = (
+        torch.ones(2),
+        [torch.ones(3), {"k": Pair(torch.ones(1), 5)}],
+        Batch(torch.ones(4), {"m": torch.zeros(2)}),
+    )
+    moved = move_to_device(batch, meta)
+    assert moved[0].device == meta
+    assert moved[1][0].device == meta
+    assert isinstance(moved[1][1]["k"], Pair) and moved[1][1]["k"].left.device == meta
+    assert moved[1][1]["k"].right == 5
+    assert isinstance(moved[2], Batch) and moved[2].features.device == meta
+    assert moved[2].extras["m"].device == meta and moved[2].label == "x"
+    assert batch[0].device.type == "cpu"  # the original is left alone
+
+
+def _train_eval_pass_through() -> None:
+    ddp = DDP(ConvBN())
+    assert ddp.eval() is ddp and not ddp.module.training and not ddp.module.bn1.training
+    assert ddp.train() is ddp and ddp.module.training
+    assert ddp.module.bn1.training
+
+
+def test_train_and_eval_pass_through() -> None:
+    run_distributed(_train_eval_pass_through, 2)
+
+
+@pytest.mark.parametrize("as_view", [True])
+def test_bucket_view_grads_survive_set_to_none(as_view: bool) -> None:
+    run_distributed(_bucket_views, 2)
+
+
+def _bucket_views() -> None:
+    rank, world = rank_world()
+    model = MLP()
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = global_batch("mlp", world, step)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+        for p in model.parameters():
+            assert p.grad._base is not None, "after backward every .grad is a view into a flat bucket"
+        opt.step()
