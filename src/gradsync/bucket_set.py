@@ -88,6 +88,7 @@ class BucketSet:
         as_view: bool,
         globally_used: list[bool] | None,
         unused: set[int],
+        hook_name: str | None,
     ) -> list[str]:
         """Wait for every launched bucket in order and write the averages to ``.grad``.
 
@@ -100,15 +101,17 @@ class BucketSet:
             try:
                 result = _wait(pending)
             except Exception as error:  # noqa: BLE001 - reported with the bucket named
-                errors.append(f"reduction of bucket {b} failed: {error}")
+                what = f"comm hook {hook_name}" if hook_name else "all-reduce"
+                errors.append(f"{what} failed on bucket {b}: {error}")
                 continue
             if storage.sparse:
                 index = storage.param_indices[0]
                 if globally_used is None or globally_used[index]:
                     storage.params[0].grad = result
                 continue
+            storage.refresh_views_if_moved()
             if result is not None and result is not storage.flat:
-                problem = _check_result(b, result, storage.flat)
+                problem = _check_result(b, result, storage.flat, hook_name)
                 if problem:
                     errors.append(problem)
                     continue
@@ -150,16 +153,15 @@ def _wait(pending: Any) -> torch.Tensor | None:
     return value
 
 
-def _check_result(b: int, result: Any, flat: torch.Tensor) -> str | None:
-    if result is None:
-        return None
+def _check_result(b: int, result: Any, flat: torch.Tensor, hook_name: str | None) -> str | None:
+    who = f"comm hook {hook_name}"
     if not isinstance(result, torch.Tensor):
-        return f"comm hook returned a future of {type(result).__name__} for bucket {b}; it must yield one tensor"
+        return f"{who} returned a future of {type(result).__name__} for bucket {b}; it must yield one tensor"
     if result.numel() != flat.numel():
         return (
-            f"comm hook result for bucket {b} has shape {tuple(result.shape)} "
-            f"({result.numel()} elements) but the bucket holds {flat.numel()} elements"
+            f"{who} yielded a tensor of shape {tuple(result.shape)} ({result.numel()} elements) for bucket {b}, "
+            f"whose buffer has shape ({flat.numel()},); the result must have the buffer's shape"
         )
     if not (result.is_floating_point() or result.is_complex()):
-        return f"comm hook result for bucket {b} has dtype {result.dtype}; expected a floating dtype like {flat.dtype}"
+        return f"{who} yielded dtype {result.dtype} for bucket {b}; expected a floating dtype such as {flat.dtype}"
     return None

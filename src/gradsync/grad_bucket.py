@@ -44,7 +44,7 @@ def make_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Ten
 class BucketStorage:
     """One bucket's parameters, its flat buffer and per-parameter views into it."""
 
-    __slots__ = ("param_indices", "params", "flat", "views", "offsets", "sparse")
+    __slots__ = ("param_indices", "params", "flat", "views", "offsets", "sparse", "_data_ptr")
 
     def __init__(self, param_indices: list[int], params: list[torch.Tensor], sparse: bool) -> None:
         self.param_indices = param_indices
@@ -62,6 +62,15 @@ class BucketStorage:
         else:
             self.flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
             self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
+        self._data_ptr = self.flat.data_ptr()
+
+    def refresh_views_if_moved(self) -> bool:
+        """Re-point the views when a hook's ``resize_`` gave the flat buffer new storage."""
+        if self.sparse or self.flat.data_ptr() == self._data_ptr:
+            return False
+        self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, self.params)]
+        self._data_ptr = self.flat.data_ptr()
+        return True
 
     @property
     def nbytes(self) -> int:

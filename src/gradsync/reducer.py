@@ -229,6 +229,7 @@ class Reducer:
             self._errors.append(f"{error} (rank {self.rank}, iteration {self.iteration})")
         flat = storage.flat
         if self.comm_hook is None:
+            # Divide before summing so low-precision gradients cannot overflow.
             flat.div_(self.world_size)
             work = dist.all_reduce(flat, group=self.process_group, async_op=True)
             self._results.append(work)
@@ -237,8 +238,7 @@ class Reducer:
         try:
             self._results.append(self.comm_hook(self.comm_hook_state, bucket))
         except Exception as error:  # noqa: BLE001 - surfaced from backward() with context
-            name = getattr(self.comm_hook, "__qualname__", repr(self.comm_hook))
-            self._errors.append(f"comm hook {name} raised on bucket {b}: {error!r}")
+            self._errors.append(f"comm hook {self.hook_name} raised on bucket {b} on rank {self.rank}: {error!r}")
             self._results.append(None)
 
     def _launch_sparse(self, b: int) -> Any:
@@ -279,7 +279,9 @@ class Reducer:
             self._marked_unused.add(index)
             self._mark_ready(index)
         globally_used = self._agree_on_used() if self.find_unused or first_static_iteration else None
-        self._errors.extend(self.buckets.write_back(self._results, self.as_view, globally_used, self._marked_unused))
+        self._errors.extend(
+            self.buckets.write_back(self._results, self.as_view, globally_used, self._marked_unused, self.hook_name)
+        )
         if first_static_iteration:
             self._static_expected = list(self._fired)
             self._static_unused = {i for i, n in enumerate(self._fired) if n == 0}
@@ -337,6 +339,12 @@ class Reducer:
         )
 
     # ------------------------------------------------------------------ hooks
+    @property
+    def hook_name(self) -> str | None:
+        if self.comm_hook is None:
+            return None
+        return getattr(self.comm_hook, "__qualname__", None) or repr(self.comm_hook)
+
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self.comm_hook_state = state
         self.comm_hook = hook
