@@ -52,8 +52,14 @@ class BucketSet:
                         param.grad = view
         return new
 
-    def view_of(self, index: int) -> torch.Tensor:
-        return self.storages[self.bucket_of[index]].views[self.slot_of[index]]
+    def zeros_like_bucket(self, b: int) -> torch.Tensor:
+        """What a rank without data contributes for bucket ``b``."""
+        storage = self.storages[b]
+        if not storage.sparse:
+            return torch.zeros_like(storage.flat)
+        param = storage.params[0]
+        indices = torch.empty((1, 0), dtype=torch.int64, device=param.device)
+        return torch.sparse_coo_tensor(indices, param.new_empty((0, *param.shape[1:])), param.shape)
 
     # ------------------------------------------------------------------ copy in
     def gather_grads(self, b: int, as_view: bool, unused: set[int], names: list[str]) -> None:

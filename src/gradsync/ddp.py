@@ -15,9 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import comm, options
 from .device import move_to_device
+from .join import DDPJoinHook, all_ranks_agree_to_sync, find_common_rank
 from .reducer import Reducer, ReducerState
 
 logger = logging.getLogger(__name__)
@@ -25,7 +27,7 @@ logger = logging.getLogger(__name__)
 _IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel training of ``module``: one process per device, gradients averaged.
 
     Drop-in for ``torch.nn.parallel.DistributedDataParallel`` (same arguments and
@@ -56,6 +58,8 @@ class DistributedDataParallel(nn.Module):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
+        self._join_divide_by_initial_world_size = True
         options.reject_unsupported(
             check_reduction=check_reduction,
             delay_all_reduce_named_params=delay_all_reduce_named_params,
@@ -86,12 +90,10 @@ class DistributedDataParallel(nn.Module):
         self._synced_buffers = self._collect_buffers(module)
         self._trainable = [p for _, p in module.named_parameters()]
         self._trainable_flags = [p.requires_grad for p in self._trainable]
+        self._named_params = named_params
         if init_sync:
             comm.verify_same_parameters(named_params, self.process_group)
-            state = [p.detach() for _, p in named_params]
-            if init_sync_buffers:
-                state += self._synced_buffers
-            comm.broadcast_coalesced(state, self._authoritative_rank(), self.process_group)
+            self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
         sparse = self._sparse_flags(module, named_params)
         self.reducer = Reducer(
             named_params,
@@ -141,20 +143,33 @@ class DistributedDataParallel(nn.Module):
     def _authoritative_rank(self) -> int:
         return dist.get_global_rank(self.process_group, 0)
 
+    def _broadcast_module_state(self, src: int, include_buffers: bool) -> None:
+        state = [p.detach() for _, p in self._named_params]
+        if include_buffers:
+            state += self._synced_buffers
+        comm.broadcast_coalesced(state, src, self.process_group)
+
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.profiler.record_function("gradsync::forward"):
             grad_enabled = torch.is_grad_enabled()
+            will_sync = grad_enabled and self.require_backward_grad_sync
             if grad_enabled:
                 self._check_trainable_unchanged()
+            still_active = Join.notify_join_context(self)  # None unless inside an enabled join
+            if still_active is not None and not self._join_divide_by_initial_world_size:
+                self.reducer.divide_by_active_ranks(still_active.get_future())
+            if grad_enabled:
                 self.reducer.prepare_for_forward()
             if self.will_sync_module_buffers():
-                self._sync_buffers()
+                self._sync_buffers(candidate=True)
+            if self._join_config.enable:
+                all_ranks_agree_to_sync(will_sync, self.process_group, self.reducer.buckets.device)
             if self.device is not None:
                 inputs = move_to_device(inputs, self.device)
                 kwargs = move_to_device(kwargs, self.device)
             output = self.module(*inputs, **kwargs)
-            if grad_enabled and self.require_backward_grad_sync:
+            if will_sync:
                 self.require_forward_param_sync = True
                 self.reducer.prepare_for_backward(output)
             else:
@@ -173,9 +188,17 @@ class DistributedDataParallel(nn.Module):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
-    def _sync_buffers(self) -> None:
+    def _sync_buffers(self, candidate: bool) -> None:
+        """Broadcast buffers from rank 0, or under join from the largest still-active rank."""
         with torch.profiler.record_function("gradsync::sync_buffers"):
-            comm.broadcast_coalesced(self._synced_buffers, self._authoritative_rank(), self.process_group)
+            if self._join_config.enable:
+                src = find_common_rank(dist.get_rank(), candidate, self.process_group, self.reducer.buckets.device)
+            else:
+                src = self._authoritative_rank()
+            # A buffer saved for backward (e.g. by an eval-mode BatchNorm) is overwritten
+            # with equal values on the source rank; keep autograd's version check quiet.
+            with _preserve_version_counters(self._synced_buffers):
+                comm.broadcast_coalesced(self._synced_buffers, src, self.process_group)
 
     def _check_trainable_unchanged(self) -> None:
         flags = [p.requires_grad for p in self._trainable]
@@ -221,6 +244,37 @@ class DistributedDataParallel(nn.Module):
             )
         self.reducer.register_comm_hook(state, hook)
 
+    # ------------------------------------------------------------------ uneven inputs
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for ranks with different numbers of batches (see ``join.py``).
+
+        Ranks that run out of data shadow the collectives of those still training;
+        with ``divide_by_initial_world_size=False`` gradients are averaged over the
+        ranks still active instead of the whole group.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer.buckets.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
     def _set_static_graph(self) -> None:
         if self.reducer.iteration > 0 or self.reducer.state is not ReducerState.IDLE:
             raise RuntimeError("_set_static_graph() must be called before the first forward.")
@@ -230,6 +284,16 @@ class DistributedDataParallel(nn.Module):
     def train(self, mode: bool = True) -> DistributedDataParallel:
         super().train(mode)
         return self
+
+
+@contextmanager
+def _preserve_version_counters(tensors: list[torch.Tensor]) -> Iterator[None]:
+    preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+    if preserve is None or not tensors:
+        yield
+        return
+    with preserve(tuple(tensors)):
+        yield
 
 
 def _check_comm_hook(hook: Callable[..., Any]) -> None:

@@ -103,6 +103,10 @@ class Reducer:
         self._static_unused: set[int] = set()
         self._output_hook_handles: list[Any] = []
         self._callback_queued = False
+        # Under join with divide_by_initial_world_size=False, the forward's "still active"
+        # all-reduce tells how many ranks contribute; resolved at the first launch.
+        self._active_ranks_future: Any = None
+        self._divisor: float = float(self.world_size)
         self._reset_iteration()
         self._grad_hook_handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))
@@ -119,6 +123,7 @@ class Reducer:
         self._next_bucket = 0
         self._results: list[Any] = []
         self._errors: list[str] = []
+        self._divisor = float(self.world_size)
 
     def prepare_for_forward(self) -> None:
         """Called before every grad-enabled forward: check the last backward, rebuild once."""
@@ -146,6 +151,18 @@ class Reducer:
             self._forward_unused = unused
         self.state = ReducerState.ARMED
         self._reset_iteration()
+
+    def divide_by_active_ranks(self, still_active: Any) -> None:
+        """Average over the ranks still training (join), not the whole group."""
+        self._active_ranks_future = still_active
+
+    def _take_divisor(self) -> float:
+        if self._active_ranks_future is not None:
+            count = self._active_ranks_future.wait()
+            count = count[0] if isinstance(count, list) else count
+            self._divisor = float(count.item())
+            self._active_ranks_future = None
+        return self._divisor
 
     def skip_backward(self) -> None:
         """After a forward that must not sync (``no_sync`` or no grad)."""
@@ -230,7 +247,7 @@ class Reducer:
         flat = storage.flat
         if self.comm_hook is None:
             # Divide before summing so low-precision gradients cannot overflow.
-            flat.div_(self.world_size)
+            flat.div_(self._take_divisor())
             work = dist.all_reduce(flat, group=self.process_group, async_op=True)
             self._results.append(work)
             return
@@ -251,7 +268,7 @@ class Reducer:
             grad = torch.sparse_coo_tensor(indices, values, param.shape)
         grad = grad.coalesce()
         if self.comm_hook is None:
-            grad = grad / self.world_size
+            grad = grad / self._take_divisor()
             return dist.all_reduce(grad, group=self.process_group, async_op=True).get_future()
         bucket = GradBucket(b, grad, self.buckets.storages[b], is_last=b == len(self.buckets.storages) - 1)
         return self.comm_hook(self.comm_hook_state, bucket)
@@ -267,6 +284,9 @@ class Reducer:
 
     def _finalize(self) -> None:
         first_static_iteration = self.static_graph and self._static_expected is None
+        # Whether to agree on the used map must be the same on every rank, so it depends
+        # on the synced iteration count, which joined ranks advance too.
+        agree_used = self.find_unused or (self.static_graph and self.iteration == 0)
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         if missing and not first_static_iteration:
             if self._static_expected is not None:
@@ -278,7 +298,7 @@ class Reducer:
         for index in missing:
             self._marked_unused.add(index)
             self._mark_ready(index)
-        globally_used = self._agree_on_used() if self.find_unused or first_static_iteration else None
+        globally_used = self._agree_on_used() if agree_used else None
         self._errors.extend(
             self.buckets.write_back(self._results, self.as_view, globally_used, self._marked_unused, self.hook_name)
         )
@@ -298,6 +318,23 @@ class Reducer:
         used = torch.tensor(self._used_since_sync, dtype=torch.int32, device=self.buckets.device)
         dist.all_reduce(used, group=self.process_group)
         return [bool(u) for u in used.tolist()]
+
+    def shadow_reduce(self) -> None:
+        """A joined rank's part of one synced backward: every bucket, in order, with zeros."""
+        pending = []
+        count = len(self.buckets.storages)
+        for b, storage in enumerate(self.buckets.storages):
+            zeros = self.buckets.zeros_like_bucket(b)
+            if self.comm_hook is None:
+                pending.append(dist.all_reduce(zeros, group=self.process_group, async_op=True))
+            else:
+                pending.append(self.comm_hook(self.comm_hook_state, GradBucket(b, zeros, storage, b == count - 1)))
+        if self.find_unused or (self.static_graph and self.iteration == 0):
+            used = torch.zeros(len(self.params), dtype=torch.int32, device=self.buckets.device)
+            pending.append(dist.all_reduce(used, group=self.process_group, async_op=True))
+        for work in pending:
+            work.wait()
+        self.iteration += 1
 
     # ------------------------------------------------------------------ rebuild
     def _rebuild_from_observed_order(self) -> None:

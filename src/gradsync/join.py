@@ -1,0 +1,74 @@
+"""Uneven inputs: what a rank that ran out of data does while the others still train.
+
+gradsync's DDP is a ``torch.distributed.algorithms.Joinable``, so both ``ddp.join()``
+and torch's generic ``Join([ddp, zero_optimizer])`` drive it. While any rank is still
+training, torch's ``Join`` calls ``main_hook`` once per iteration on every rank that
+has joined; it must issue exactly the collectives an active rank issues in one
+iteration, in the same order:
+
+    active rank (DistributedDataParallel.forward + backward)    joined rank (main_hook)
+    Join.notify_join_context: all_reduce(1)                      Join: all_reduce(0)
+    bucket rebuild broadcast (once, before iteration 2)          same, mirrored
+    buffer sync: agree on a source rank, broadcast               same, as a non-candidate
+    all_reduce(this iteration syncs gradients?)                  same, contributes 0
+    one collective per bucket, in bucket order                   same with zeros
+    used-parameter map (find_unused_parameters)                  same with zeros
+
+When every rank has joined, ``post_hook`` broadcasts the model of the last rank to
+join, so all replicas end identical.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+if TYPE_CHECKING:
+    from .ddp import DistributedDataParallel
+
+
+def find_common_rank(rank: int, candidate: bool, group: dist.ProcessGroup, device: torch.device) -> int:
+    """The largest global rank among the candidates (every rank must call this)."""
+    value = torch.tensor([rank if candidate else -1], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    common = int(value.item())
+    if common < 0:
+        raise RuntimeError("gradsync join: no rank volunteered as the source of module state")
+    return common
+
+
+def all_ranks_agree_to_sync(wants_sync: bool, group: dist.ProcessGroup, device: torch.device) -> dist.Work | bool:
+    """Whether any rank syncs gradients this iteration; joined ranks wait for the answer."""
+    flag = torch.tensor([1 if wants_sync else 0], device=device)
+    work = dist.all_reduce(flag, group=group, async_op=True)
+    if wants_sync:
+        return work  # active ranks need not wait: joined ranks are the ones asking
+    work.wait()
+    return bool(flag.item())
+
+
+class DDPJoinHook(JoinHook):
+    """Shadows one training iteration per ``main_hook`` call on a joined rank."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        self.ddp._join_divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        ddp.reducer.prepare_for_forward()  # mirrors the one-time bucket rebuild
+        if ddp.will_sync_module_buffers():
+            ddp._sync_buffers(candidate=False)
+        should_sync = all_ranks_agree_to_sync(False, ddp.process_group, ddp.reducer.buckets.device)
+        # The next forward syncs buffers only if this iteration synced gradients.
+        ddp.require_forward_param_sync = bool(should_sync)
+        if should_sync:
+            ddp.reducer.shadow_reduce()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        src = find_common_rank(dist.get_rank(), is_last_joiner, ddp.process_group, ddp.reducer.buckets.device)
+        ddp._broadcast_module_state(src, include_buffers=ddp.forward_sync_buffers)
