@@ -64,7 +64,7 @@ class WorkerPool:
         self.processes = []
         for rank in range(world_size):
             parent, child = context.Pipe()
-            process = context.Process(target=_worker_main, args=(rank, world_size, port, child), daemon=True)
+            process = context.Process(target=_worker_main, args=(rank, world_size, port, child), daemon=False)
             process.start()
             self.connections.append(parent)
             self.processes.append(process)

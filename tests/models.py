@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class MLP(nn.Module):
@@ -73,6 +74,23 @@ class SparseEmbed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids = (x.abs() * 100).long().remainder(50)[:, :3]
         return self.fc(self.embed(ids).mean(dim=1))
+
+
+class CheckpointedTwice(nn.Module):
+    """The same layer checkpointed twice in one forward: its gradient arrives in two pieces."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.pre = nn.Linear(16, 16)
+        self.layer = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.pre(x))
+        h = checkpoint(self.layer, h, use_reentrant=self.use_reentrant)
+        h = checkpoint(self.layer, torch.tanh(h), use_reentrant=self.use_reentrant)
+        return self.head(h)
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {

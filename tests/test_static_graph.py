@@ -6,30 +6,11 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from gradsync import DistributedDataParallel as DDP
 
 from harness import run_distributed
-from models import assert_grads_close, global_batch, grads_of, loss_fn, rank_world, shard
-
-
-class CheckpointedTwice(nn.Module):
-    """The same layer checkpointed twice in one forward: its gradient arrives in two pieces."""
-
-    def __init__(self, use_reentrant: bool) -> None:
-        super().__init__()
-        self.pre = nn.Linear(16, 16)
-        self.layer = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 4)
-        self.use_reentrant = use_reentrant
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.pre(x))
-        h = checkpoint(self.layer, h, use_reentrant=self.use_reentrant)
-        h = checkpoint(self.layer, torch.tanh(h), use_reentrant=self.use_reentrant)
-        return self.head(h)
+from models import CheckpointedTwice, assert_grads_close, global_batch, grads_of, loss_fn, rank_world, shard
 
 
 def _train_checkpointed(static_graph: bool, use_reentrant: bool, as_view: bool) -> None:

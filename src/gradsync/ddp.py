@@ -94,16 +94,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         if init_sync:
             comm.verify_same_parameters(named_params, self.process_group)
             self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
-        sparse = self._sparse_flags(module, named_params)
-        self.reducer = Reducer(
-            named_params,
-            sparse,
-            self.process_group,
-            caps,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
-        )
+        self._reducer_config = {
+            "sparse": self._sparse_flags(module, named_params),
+            "caps": caps,
+            "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "static_graph": static_graph,
+        }
+        self.reducer = self._make_reducer()
+
+    def _make_reducer(self) -> Reducer:
+        config = dict(self._reducer_config)
+        return Reducer(self._named_params, config.pop("sparse"), self.process_group, config.pop("caps"), **config)
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -279,7 +281,27 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.reducer.iteration > 0 or self.reducer.state is not ReducerState.IDLE:
             raise RuntimeError("_set_static_graph() must be called before the first forward.")
         self.static_graph = True
-        self.reducer.static_graph = True
+        self._reducer_config["static_graph"] = True
+        self.reducer.remove_hooks()
+        self.reducer = self._make_reducer()
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not dist.group.WORLD:
+            raise RuntimeError(
+                "Pickling or deep-copying a gradsync DistributedDataParallel is only supported with the "
+                "default process group: a process group cannot be pickled. Pickle ddp.module instead and "
+                "wrap the copy again."
+            )
+        state = self.__dict__.copy()
+        # Autograd hook handles and the group are per-process; they are rebuilt on load.
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        self.reducer = self._make_reducer()
 
     def train(self, mode: bool = True) -> DistributedDataParallel:
         super().train(mode)
