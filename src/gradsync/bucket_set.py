@@ -66,7 +66,8 @@ class BucketSet:
         """Put the current ``.grad`` of bucket ``b``'s parameters into its flat buffer."""
         storage = self.storages[b]
         grads = [p.grad for p in storage.params]
-        if not as_view and not unused and None not in grads:
+        # ``None in grads`` would compare tensors with ==; identity is what we mean.
+        if not as_view and not unused and all(g is not None for g in grads):
             torch._foreach_copy_(storage.views, grads)
             return
         for i, param, view, grad in zip(storage.param_indices, storage.params, storage.views, grads):
@@ -130,7 +131,7 @@ class BucketSet:
         params, views = storage.params, storage.views
         if used is None and not unused and not as_view:
             grads = [p.grad for p in params]
-            if None not in grads:
+            if all(g is not None for g in grads):
                 torch._foreach_copy_(grads, views)
                 return
         for i, param, view in zip(storage.param_indices, params, views):

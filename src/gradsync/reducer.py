@@ -241,7 +241,7 @@ class Reducer:
             self._results.append(self._launch_sparse(b))
             return
         try:
-            self.buckets.gather_grads(b, self.as_view, self._used_since_sync, self.names)
+            self.buckets.gather_grads(b, self.as_view, self._marked_unused, self.names)
         except (RuntimeError, ValueError) as error:
             self._errors.append(f"{error} (rank {self.rank}, iteration {self.iteration})")
         flat = storage.flat
