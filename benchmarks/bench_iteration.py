@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,6 +173,10 @@ def measure(workload: Workload, args: argparse.Namespace) -> dict[str, list[floa
             dist.barrier()  # start each block together, so no rank's head start is timed
             times = run_iterations(contender, workload, batches, args.iters)
             samples[contender.name] += slowest_rank(times)
+    # Both DDPs hold reference cycles; free them now, not at interpreter exit after the
+    # process group is gone (torch's DDP then sometimes aborts: "terminate called ...").
+    contenders.clear()
+    gc.collect()
     return samples
 
 
@@ -182,8 +188,8 @@ class Summary:
 
 
 def summarise(times: list[float]) -> Summary:
-    ms = sorted(t * 1e3 for t in times)
-    return Summary(statistics.median(ms), ms[min(len(ms) - 1, int(0.9 * len(ms)))])
+    ms = [t * 1e3 for t in times]
+    return Summary(statistics.median(ms), statistics.quantiles(ms, n=10)[-1])
 
 
 def table(results: dict[str, dict[str, list[float]]]) -> list[str]:
@@ -201,6 +207,25 @@ def table(results: dict[str, dict[str, list[float]]]) -> list[str]:
     return lines
 
 
+def gradient_size(workload: Workload) -> str:
+    params = list(workload.build().parameters())
+    mib = sum(p.numel() * p.element_size() for p in params) / 2**20
+    return f"{len(params)} parameter tensors, {mib:.2f} MiB of gradients"
+
+
+def gradsync_revision() -> str:
+    """The commit the numbers belong to, flagged when the working tree differs from it."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=repo, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + (" + uncommitted changes in src/" if dirty.stdout.strip() else "")
+
+
 def write_report(results: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> Path:
     today = datetime.date.today().isoformat()
     lines = [
@@ -208,7 +233,8 @@ def write_report(results: dict[str, dict[str, list[float]]], args: argparse.Name
         "",
         "Command: `OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_iteration.py`",
         "",
-        f"- torch {torch.__version__}, Python {platform.python_version()}, gradsync {gradsync.__version__}",
+        f"- torch {torch.__version__}, Python {platform.python_version()}, gradsync {gradsync.__version__} "
+        f"(commit {gradsync_revision()})",
         f"- world size {dist.get_world_size()}, backend {dist.get_backend()}, CPU only, "
         f"{os.cpu_count()} CPU cores on the machine, torch threads per rank {torch.get_num_threads()}",
         f"- {platform.platform()}",
@@ -216,11 +242,13 @@ def write_report(results: dict[str, dict[str, list[float]]], args: argparse.Name
         "iterations, contenders interleaved within each round",
         "- iteration = zero_grad, forward, loss, backward, SGD step; its time is the slowest rank's",
         "- both DDPs use their default arguments (25 MiB buckets, 1 MiB first bucket, buffers broadcast every forward)",
+        "- the two ranks share the machine's cores with gloo's threads, so `no_comm` is not free of "
+        "contention either; p90 shows how noisy a workload was",
         "",
         "Workloads:",
         "",
     ]
-    lines += [f"- `{name}`: {WORKLOADS[name].description}" for name in results]
+    lines += [f"- `{name}`: {WORKLOADS[name].description}; {gradient_size(WORKLOADS[name])}" for name in results]
     lines += ["", *table(results), ""]
     path = RESULTS_DIR / f"{today}-iteration.md"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -250,6 +278,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("\n".join(table(results)))
         print(f"report: {write_report(results, args)}")
+    dist.barrier()  # leave together: a rank tearing down gloo while its peer still runs can abort
     dist.destroy_process_group()
 
 
