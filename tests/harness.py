@@ -112,7 +112,8 @@ class WorkerPool:
             process.kill()
         for process in self.processes:
             process.join(timeout=5)
-        _pools.pop(self.world_size, None)
+        if _pools.get(self.world_size) is self:
+            del _pools[self.world_size]
 
     def close(self) -> None:
         for conn in self.connections:
@@ -124,13 +125,26 @@ class WorkerPool:
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=5)
 
 
 _pools: dict[int, WorkerPool] = {}
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = 120) -> list[Any]:
-    """Run ``fn(*args)`` on every rank of a ``world_size`` gloo group; per-rank results."""
+def run_distributed(
+    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = 120, isolated: bool = False
+) -> list[Any]:
+    """Run ``fn(*args)`` on every rank of a ``world_size`` gloo group; per-rank results.
+
+    ``isolated=True`` runs in fresh workers that are discarded afterwards: for tests that
+    leave collectives unmatched on purpose.
+    """
+    if isolated:
+        pool = WorkerPool(world_size)
+        try:
+            return pool.run(fn, args, timeout_s)
+        finally:
+            pool.close()
     pool = _pools.get(world_size)
     if pool is None or not pool.alive():
         if pool is not None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .buckets import ParamInfo, assign_buckets
 from .grad_bucket import BucketStorage
+from .stats import IterationTimes, now
 
 
 class BucketSet:
@@ -51,6 +52,11 @@ class BucketSet:
                         view.copy_(param.grad)
                         param.grad = view
         return new
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of gradient one iteration reduces."""
+        return sum(storage.nbytes for storage in self.storages)
 
     def zeros_like_bucket(self, b: int) -> torch.Tensor:
         """What a rank without data contributes for bucket ``b``."""
@@ -96,6 +102,7 @@ class BucketSet:
         globally_used: list[bool] | None,
         unused: set[int],
         hook_name: str | None,
+        times: IterationTimes,
     ) -> list[str]:
         """Wait for every launched bucket in order and write the averages to ``.grad``.
 
@@ -107,6 +114,7 @@ class BucketSet:
                 continue
             try:
                 result = _wait(pending)
+                times.bucket_done[b] = times.bucket_done[b] or now()
             except Exception as error:  # noqa: BLE001 - reported with the bucket named
                 what = f"comm hook {hook_name}" if hook_name else "all-reduce"
                 errors.append(f"{what} failed on bucket {b}: {error}")
@@ -124,6 +132,7 @@ class BucketSet:
                     continue
                 storage.flat.copy_(result.view(-1))
             self._copy_out(storage, as_view, globally_used, unused)
+        times.reductions_done = max(times.bucket_done, default=0.0) or now()
         self._backups.clear()
         return errors
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -18,9 +19,11 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import comm, options
+from .debug import DesyncDetector, DivergenceCheck, Position
 from .device import move_to_device
 from .join import DDPJoinHook, all_ranks_agree_to_sync, find_common_rank
 from .reducer import Reducer, ReducerState
+from .stats import BucketInfo, DDPStats, now
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             "static_graph": static_graph,
         }
         self.reducer = self._make_reducer()
+        self._divergence: DivergenceCheck | None = None
+        if os.environ.get("GRADSYNC_DEBUG", "").lower() in ("desync", "detail"):
+            self.enable_desync_detection()
 
     def _make_reducer(self) -> Reducer:
         config = dict(self._reducer_config)
@@ -154,17 +160,23 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.profiler.record_function("gradsync::forward"):
+            forward_start = now()
             grad_enabled = torch.is_grad_enabled()
             will_sync = grad_enabled and self.require_backward_grad_sync
             if grad_enabled:
                 self._check_trainable_unchanged()
+            if self._divergence is not None and will_sync and not self._join_config.enable:
+                self._divergence.maybe_check(self.reducer.synced_forwards + 1)
             still_active = Join.notify_join_context(self)  # None unless inside an enabled join
             if still_active is not None and not self._join_divide_by_initial_world_size:
                 self.reducer.divide_by_active_ranks(still_active.get_future())
             if grad_enabled:
                 self.reducer.prepare_for_forward()
+            sync_start = sync_end = 0.0
             if self.will_sync_module_buffers():
+                sync_start = now()
                 self._sync_buffers(candidate=True)
+                sync_end = now()
             if self._join_config.enable:
                 all_ranks_agree_to_sync(will_sync, self.process_group, self.reducer.buckets.device)
             if self.device is not None:
@@ -173,7 +185,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             output = self.module(*inputs, **kwargs)
             if will_sync:
                 self.require_forward_param_sync = True
+                forward_end = now()
                 self.reducer.prepare_for_backward(output)
+                times = self.reducer.times
+                times.forward_start, times.forward_end = forward_start, forward_end
+                times.buffer_sync_start, times.buffer_sync_end = sync_start, sync_end
             else:
                 self.require_forward_param_sync = False
                 self.reducer.skip_backward()
@@ -193,6 +209,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _sync_buffers(self, candidate: bool) -> None:
         """Broadcast buffers from rank 0, or under join from the largest still-active rank."""
         with torch.profiler.record_function("gradsync::sync_buffers"):
+            if self.reducer.desync is not None:
+                numel = sum(b.numel() for b in self._synced_buffers)
+                what = "buffer broadcast"
+                self.reducer.desync.check(Position(what, self.reducer.synced_forwards + 1, numel, "mixed"))
             if self._join_config.enable:
                 src = find_common_rank(dist.get_rank(), candidate, self.process_group, self.reducer.buckets.device)
             else:
@@ -246,6 +266,59 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
         self.reducer.register_comm_hook(state, hook)
 
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> DDPStats:
+        """Buckets, per-iteration timing averages, bytes reduced, unused parameters, hook."""
+        reducer, running = self.reducer, self.reducer.running
+        buckets = tuple(
+            BucketInfo(
+                index=b,
+                numel=sum(p.numel() for p in storage.params),
+                nbytes=storage.nbytes,
+                dtype=str(storage.params[0].dtype),
+                parameter_names=tuple(reducer.names[i] for i in storage.param_indices),
+                sparse=storage.sparse,
+            )
+            for b, storage in enumerate(reducer.buckets.storages)
+        )
+        return DDPStats(
+            rank=reducer.rank,
+            world_size=reducer.world_size,
+            buckets=buckets,
+            buckets_rebuilt=reducer.rebuilt,
+            iterations=running.iterations,
+            avg_forward_s=running.average(running.forward_s),
+            avg_backward_s=running.average(running.backward_s),
+            avg_comm_s=running.average(running.comm_s),
+            avg_exposed_comm_s=running.average(running.exposed_comm_s),
+            avg_buffer_sync_s=running.average(running.buffer_sync_s),
+            bytes_reduced_per_iteration=reducer.buckets.nbytes,
+            total_bytes_reduced=running.total_bytes,
+            unused_parameters=running.last_unused,
+            comm_hook=reducer.hook_name,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+        )
+
+    def enable_divergence_check(self, every: int = 100, include_buffers: bool = True) -> None:
+        """Every ``every`` synced forwards, raise if parameters (and buffers) differ across ranks.
+
+        Costs one pass over the model and one small all-gather per check (see ``debug.py``).
+        """
+        named = [(n, p) for n, p in self._named_params]
+        if include_buffers:
+            names = {id(b): n for n, b in self.module.named_buffers()}
+            named += [(names.get(id(b), "buffer"), b) for b in self._synced_buffers]
+        self._divergence = DivergenceCheck(every, named, self.process_group)
+
+    def enable_desync_detection(self, timeout_s: float = 60.0) -> None:
+        """Debug mode: ranks agree on every collective before issuing it (see ``debug.py``).
+
+        Also switched on by the environment variable ``GRADSYNC_DEBUG=desync``.
+        """
+        self.reducer.desync = DesyncDetector(self.process_group, timeout_s)
+
     # ------------------------------------------------------------------ uneven inputs
     def join(
         self,
@@ -267,6 +340,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        if self.reducer.desync is not None:
+            raise RuntimeError(
+                "Desync detection cannot be combined with join: joined ranks deliberately issue "
+                "different collectives than the ranks still training. Disable one of them."
+            )
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -296,6 +374,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         state = self.__dict__.copy()
         # Autograd hook handles and the group are per-process; they are rebuilt on load.
         del state["process_group"], state["reducer"]
+        state["_divergence"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -43,9 +44,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import comm, graph
+from . import comm, errors, graph
 from .bucket_set import BucketSet
+from .debug import DesyncDetector, Position
 from .grad_bucket import GradBucket
+from .stats import IterationTimes, RunningStats, now
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +110,11 @@ class Reducer:
         # all-reduce tells how many ranks contribute; resolved at the first launch.
         self._active_ranks_future: Any = None
         self._divisor: float = float(self.world_size)
+        self.synced_forwards = 0  # every rank counts the same; desync checks compare it
+        self.running = RunningStats()
+        self.timeline: Any = None  # a trace.Timeline while tracing
+        self.desync: DesyncDetector | None = None
+        self._warned_nothing_unused = False
         self._reset_iteration()
         self._grad_hook_handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))
@@ -124,15 +132,12 @@ class Reducer:
         self._results: list[Any] = []
         self._errors: list[str] = []
         self._divisor = float(self.world_size)
+        self.times = IterationTimes(len(self.buckets.storages))
 
     def prepare_for_forward(self) -> None:
         """Called before every grad-enabled forward: check the last backward, rebuild once."""
         if self.state is ReducerState.REDUCING:
-            raise RuntimeError(
-                f"gradsync: the backward pass of iteration {self.iteration} started reducing "
-                f"gradients on rank {self.rank} but never finished (an exception during backward?). "
-                "The replicas may no longer agree; restart from a checkpoint."
-            )
+            raise RuntimeError(errors.backward_never_finished(self.rank, self.iteration))
         if self._rebuild_pending and self.iteration >= 1:
             self._rebuild_from_observed_order()
 
@@ -150,6 +155,7 @@ class Reducer:
                 unused &= self._forward_unused
             self._forward_unused = unused
         self.state = ReducerState.ARMED
+        self.synced_forwards += 1
         self._reset_iteration()
 
     def divide_by_active_ranks(self, still_active: Any) -> None:
@@ -211,6 +217,7 @@ class Reducer:
 
     def _begin_reduction(self) -> None:
         self.state = ReducerState.REDUCING
+        self.times.backward_start = now()
         self._queue_finalize()
         if self._static_expected is not None:
             unused = self._static_unused
@@ -224,8 +231,10 @@ class Reducer:
         self._ready[index] = True
         bucket = self.buckets.bucket_of[index]
         self._pending[bucket] -= 1
-        if self._pending[bucket] == 0 and bucket == self._next_bucket:
-            self._launch_ready_buckets()
+        if self._pending[bucket] == 0:
+            self.times.bucket_ready[bucket] = now()
+            if bucket == self._next_bucket:
+                self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         pending = self._pending
@@ -236,10 +245,29 @@ class Reducer:
 
     # ------------------------------------------------------------------ reduction
     def _launch(self, b: int) -> None:
-        storage = self.buckets.storages[b]
-        if storage.sparse:
-            self._results.append(self._launch_sparse(b))
-            return
+        with torch.profiler.record_function("gradsync::reduce_bucket"):
+            self.times.bucket_launch[b] = now()
+            storage = self.buckets.storages[b]
+            if self.desync is not None:
+                what = f"all-reduce of bucket {b}"
+                self.desync.check(Position(what, self.synced_forwards, storage.flat.numel(), str(storage.flat.dtype)))
+            if storage.sparse:
+                self._results.append(self._launch_sparse(b))
+            else:
+                self._launch_dense(b, storage)
+            if self.timeline is not None and self._results[-1] is not None:
+                self._record_completion(b, self._results[-1])
+
+    def _record_completion(self, b: int, pending: Any) -> None:
+        future = pending.get_future() if isinstance(pending, dist.Work) else pending
+        times = self.times
+
+        def done(_: Any) -> None:
+            times.bucket_done[b] = now()
+
+        future.add_done_callback(done)
+
+    def _launch_dense(self, b: int, storage: Any) -> None:
         try:
             self.buckets.gather_grads(b, self.as_view, self._marked_unused, self.names)
         except (RuntimeError, ValueError) as error:
@@ -278,11 +306,13 @@ class Reducer:
         if self.state is not ReducerState.REDUCING:
             return  # this backward touched no parameter (e.g. autograd.grad on an input)
         try:
-            self._finalize()
+            with torch.profiler.record_function("gradsync::finalize"):
+                self._finalize()
         finally:
             self.state = ReducerState.FINALIZED
 
     def _finalize(self) -> None:
+        self.times.finalize_start = now()
         first_static_iteration = self.static_graph and self._static_expected is None
         # Whether to agree on the used map must be the same on every rank, so it depends
         # on the synced iteration count, which joined ranks advance too.
@@ -292,7 +322,9 @@ class Reducer:
             if self._static_expected is not None:
                 self._errors.extend(self._static_graph_error(i) for i in missing if self._static_expected[i])
             elif not self.find_unused:
-                self._errors.append(self._unused_error(missing))
+                self._errors.append(
+                    errors.unused_parameters([self.names[i] for i in missing], self.rank, self.iteration)
+                )
         # Every bucket is launched, so every rank issues the same collectives even when
         # some parameters got no gradient here; their .grad (or zeros) is contributed.
         for index in missing:
@@ -300,7 +332,9 @@ class Reducer:
             self._mark_ready(index)
         globally_used = self._agree_on_used() if agree_used else None
         self._errors.extend(
-            self.buckets.write_back(self._results, self.as_view, globally_used, self._marked_unused, self.hook_name)
+            self.buckets.write_back(
+                self._results, self.as_view, globally_used, self._marked_unused, self.hook_name, self.times
+            )
         )
         if first_static_iteration:
             self._static_expected = list(self._fired)
@@ -310,11 +344,33 @@ class Reducer:
                 if never:
                     logger.info("static graph: parameters unused on every rank: %s", never)
         self._used_since_sync = [False] * len(self.params)
+        self._record_iteration()
         self.iteration += 1
         if self._errors:
             raise RuntimeError("; ".join(dict.fromkeys(self._errors)))
 
+    def _record_iteration(self) -> None:
+        times = self.times
+        times.finalize_end = now()
+        unused = tuple(self.names[i] for i in sorted(self._marked_unused))
+        self.running.add(times, self.buckets.nbytes, unused)
+        if self.timeline is not None:
+            self.timeline.add_iteration(self.iteration, times, [s.nbytes for s in self.buckets.storages])
+        if self.find_unused and not unused and not self._warned_nothing_unused and not self.static_graph:
+            self._warned_nothing_unused = True
+            warnings.warn(
+                f"find_unused_parameters=True but every parameter got a gradient in iteration {self.iteration} "
+                f"on rank {self.rank}. The search for unused parameters walks the autograd graph after every "
+                "forward; if no parameter is ever unused, pass find_unused_parameters=False to save that time.",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def _agree_on_used(self) -> list[bool]:
+        if self.desync is not None:
+            self.desync.check(
+                Position("all-reduce of the used-parameter map", self.synced_forwards, len(self.params), "torch.int32")
+            )
         used = torch.tensor(self._used_since_sync, dtype=torch.int32, device=self.buckets.device)
         dist.all_reduce(used, group=self.process_group)
         return [bool(u) for u in used.tolist()]
@@ -341,6 +397,10 @@ class Reducer:
         seen = set(self._ready_order)
         local = self._ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
         src = dist.get_global_rank(self.process_group, 0)
+        if self.desync is not None:
+            self.desync.check(
+                Position("broadcast of the bucket order", self.synced_forwards, len(local), "torch.int64")
+            )
         order = comm.broadcast_int_list(local, src, self.process_group, self.buckets.device)
         self.buckets = self.buckets.rebuilt(order, self.rebuild_caps, self.as_view)
         self._rebuild_pending = False
@@ -350,30 +410,12 @@ class Reducer:
         logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))
 
     # ------------------------------------------------------------------ errors
-    def _unused_error(self, missing: list[int]) -> str:
-        names = [self.names[i] for i in missing]
-        return (
-            f"Parameters {names} received no gradient on rank {self.rank} in iteration "
-            f"{self.iteration}. Pass find_unused_parameters=True to DistributedDataParallel if "
-            "the forward pass does not use them all (or the loss does not depend on every output)."
-        )
-
     def _twice_error(self, index: int) -> str:
-        return (
-            f"Parameter '{self.names[index]}' received its gradient in several pieces during one "
-            f"backward on rank {self.rank} in iteration {self.iteration} (is its module checkpointed "
-            "more than once with use_reentrant=True, or used outside forward while "
-            "find_unused_parameters treated it as unused?). Pass static_graph=True, or use "
-            "torch.utils.checkpoint with use_reentrant=False."
-        )
+        return errors.gradient_in_pieces(self.names[index], self.rank, self.iteration)
 
     def _static_graph_error(self, index: int) -> str:
-        return (
-            f"static_graph=True but parameter '{self.names[index]}' got its gradient "
-            f"{self._fired[index]} time(s) in iteration {self.iteration} on rank {self.rank}, "
-            f"versus {self._static_expected[index] if self._static_expected else 0} in the first "
-            "iteration. The graph changed; construct DistributedDataParallel with static_graph=False."
-        )
+        expected = self._static_expected[index] if self._static_expected else 0
+        return errors.static_graph_changed(self.names[index], self._fired[index], expected, self.rank, self.iteration)
 
     # ------------------------------------------------------------------ hooks
     @property

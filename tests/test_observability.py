@@ -1,0 +1,181 @@
+"""Timeline, profiler labels, stats, divergence and desync detection, unused-parameter warning."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import gradsync
+from gradsync import DistributedDataParallel as DDP
+
+from harness import run_distributed
+from models import MLP, UnusedBranch, global_batch, loss_fn, make_model, rank_world, shard
+
+# MLP(): 4 x Linear(16, 16) + Linear(16, 4): 4 x 272 + 68 = 1156 floats = 4624 bytes.
+MLP_PARAM_BYTES = 4 * (16 * 16 + 16) * 4 + (16 * 4 + 4) * 4
+
+
+def _train(ddp: DDP, steps: int, name: str = "mlp", **kwargs: object) -> None:
+    rank, world = rank_world()
+    for step in range(steps):
+        x, y = global_batch(name, world, step)
+        ddp.zero_grad()
+        loss_fn(ddp(shard(x, rank, world), **kwargs), shard(y, rank, world)).backward()
+
+
+def _trace(directory: str) -> None:
+    # A cap of 1000 bytes; a hidden layer is 1024 + 64 bytes, the head 256 + 16. In ready
+    # order the head (272) does not fill a bucket, head + last layer (1360) does, and every
+    # other layer (1088) fills one: 4 buckets per iteration.
+    ddp = DDP(MLP(), bucket_cap_mb=1000 / 2**20)
+    _train(ddp, 1)
+    with gradsync.trace(ddp, os.path.join(directory, "trace.json"), png=os.path.join(directory, "overlap.png")):
+        _train(ddp, 3)
+    dist.barrier()
+
+
+def test_trace_writes_merged_perfetto_json_and_png() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        run_distributed(_trace, 2, directory)
+        with open(os.path.join(directory, "trace.json")) as f:
+            trace = json.load(f)
+        with open(os.path.join(directory, "overlap.png"), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    events = trace["traceEvents"]
+    processes = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert processes == {"rank 0", "rank 1"}
+    for rank in (0, 1):
+        threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name" and e["pid"] == rank}
+        assert set(threads.values()) == {"step"} | {f"bucket {b}" for b in range(4)}
+        spans = [e for e in events if e["ph"] == "X" and e["pid"] == rank]
+        for iteration in (1, 2, 3):
+            mine = [e for e in spans if e["args"]["iteration"] == iteration]
+            phase = {e["name"]: e for e in mine if threads[e["tid"]] == "step"}
+            assert phase["forward"]["ts"] + phase["forward"]["dur"] <= phase["backward_compute"]["ts"]
+            reduces = sorted((e for e in mine if e["name"] == "all_reduce"), key=lambda e: threads[e["tid"]])
+            assert len(reduces) == 4
+            starts = [e["ts"] for e in reduces]
+            assert starts == sorted(starts), "buckets must launch in index order"
+            assert sum(e["args"]["bytes"] for e in reduces) == MLP_PARAM_BYTES
+            assert starts[0] >= phase["backward_compute"]["ts"]
+
+
+def _profiler_labels() -> list[str]:
+    ddp = DDP(make_model("cnn_bn"))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _train(ddp, 2, "cnn_bn")
+    return sorted({e.key for e in prof.key_averages() if e.key.startswith("gradsync::")})
+
+
+def test_profiler_shows_gradsync_phases() -> None:
+    labels = run_distributed(_profiler_labels, 2)[0]
+    assert labels == ["gradsync::finalize", "gradsync::forward", "gradsync::reduce_bucket", "gradsync::sync_buffers"]
+
+
+def _stats() -> gradsync.DDPStats:
+    torch.manual_seed(0)
+    ddp = DDP(UnusedBranch(), find_unused_parameters=True)
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    _train(ddp, 4)
+    return ddp.stats()
+
+
+def test_stats_report_buckets_times_bytes_unused_and_hook() -> None:
+    stats = run_distributed(_stats, 2)[1]
+    assert stats.rank == 1 and stats.world_size == 2 and stats.iterations == 4
+    names = {n for b in stats.buckets for n in b.parameter_names}
+    assert names == {f"{m}.{p}" for m in ("a", "unused", "sometimes", "head") for p in ("weight", "bias")}
+    param_bytes = 3 * (16 * 16 + 16) * 4 + (16 * 4 + 4) * 4
+    assert sum(b.nbytes for b in stats.buckets) == param_bytes == stats.bytes_reduced_per_iteration
+    assert stats.total_bytes_reduced == 4 * param_bytes
+    assert set(stats.unused_parameters) == {"unused.weight", "unused.bias", "sometimes.weight", "sometimes.bias"}
+    assert stats.comm_hook == "allreduce_hook" and stats.find_unused_parameters
+    assert not stats.buckets_rebuilt  # torch never rebuilds with find_unused_parameters either
+    assert stats.avg_forward_s > 0 and stats.avg_backward_s > 0 and stats.avg_comm_s > 0
+    assert 0 <= stats.avg_exposed_comm_s <= stats.avg_backward_s
+
+
+def _divergence(perturb: bool) -> str:
+    rank, _ = rank_world()
+    model = MLP()
+    ddp = DDP(model)
+    ddp.enable_divergence_check(every=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step in range(6):
+            _train(ddp, 1)
+            opt.step()
+            if perturb and step == 2 and rank == 1:
+                with torch.no_grad():  # a rank-dependent update: the replicas drift apart
+                    model.layers[2][0].bias[3] += 1e-6
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
+def test_divergence_is_detected_and_named() -> None:
+    for rank, message in enumerate(run_distributed(_divergence, 2, True)):
+        assert "'layers.2.0.bias' differs between rank 0 and rank(s) [1]" in message, message
+        assert f"seen on rank {rank}" in message
+
+
+def test_no_false_divergence_alarm() -> None:
+    assert run_distributed(_divergence, 2, False) == ["", ""]
+
+
+def _skipped_backward() -> str:
+    rank, world = rank_world()
+    ddp = DDP(MLP())
+    ddp.enable_desync_detection(timeout_s=20)
+    _train(ddp, 1)
+    x, _ = global_batch("mlp", world, 9)
+    if rank == 1:
+        ddp(shard(x, rank, world))  # a forward whose backward rank 1 forgets
+    with pytest.raises(RuntimeError) as error:
+        _train(ddp, 1)
+    return str(error.value)
+
+
+def test_desync_names_each_ranks_position() -> None:
+    for message in run_distributed(_skipped_backward, 2, isolated=True):
+        assert "ranks disagree on the next collective" in message
+        assert "rank 0 is about to issue all-reduce of bucket 0" in message and "synced forward #2" in message
+        assert "rank 1 is about to issue all-reduce of bucket 0" in message and "synced forward #3" in message
+
+
+def _missing_rank() -> str:
+    rank, _ = rank_world()
+    ddp = DDP(MLP())
+    ddp.enable_desync_detection(timeout_s=3)
+    _train(ddp, 1)
+    if rank == 1:
+        return ""  # rank 1 stops training without telling anyone
+    with pytest.raises(RuntimeError) as error:
+        _train(ddp, 1)
+    return str(error.value)
+
+
+def test_desync_names_the_missing_rank_on_timeout() -> None:
+    message = run_distributed(_missing_rank, 2, isolated=True)[0]
+    assert "not every rank reached a collective within 3s" in message
+    assert "Ranks 1 failed to pass monitoredBarrier" in message
+
+
+def _find_unused_warning() -> list[str]:
+    ddp = DDP(MLP(), find_unused_parameters=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(ddp, 3)
+    return [str(w.message) for w in caught if "find_unused_parameters=True" in str(w.message)]
+
+
+def test_find_unused_parameters_without_unused_warns_once() -> None:
+    for messages in run_distributed(_find_unused_warning, 2):
+        assert len(messages) == 1 and "pass find_unused_parameters=False" in messages[0]
