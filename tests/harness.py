@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see _close_pools)
 import os
 import socket
 import time
@@ -153,6 +154,8 @@ def run_distributed(
     return pool.run(fn, args, timeout_s)
 
 
+# atexit runs handlers last-registered-first: ours must stop the workers before
+# multiprocessing's own handler joins them, or interpreter exit would wait forever.
 @atexit.register
 def _close_pools() -> None:
     for pool in list(_pools.values()):

@@ -1,0 +1,471 @@
+"""gradsync.hooks: each hook against a hand reference, its wire bytes, and convergence.
+
+Three tiers: the pure helpers in one process; each hook called directly on a hand-built
+``GradBucket`` on 2 ranks, against references computed from every rank's gradient;
+the hooks under DDP (replicas bitwise identical, lossless settings equal plain
+all-reduce, measured compression ratios) and a small convergence test.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gradsync import DistributedDataParallel as DDP
+from gradsync.grad_bucket import BucketStorage, GradBucket
+from gradsync.hooks import (
+    AllReduceState,
+    BucketMemory,
+    Int8State,
+    PowerSGDState,
+    TopKState,
+    WireStats,
+    allreduce_hook,
+    batched_powersgd_hook,
+    bf16_compress_hook,
+    compress_wrapper,
+    fp16_compress_hook,
+    int8_hook,
+    powersgd_hook,
+    topk_hook,
+)
+from gradsync.hooks.powersgd import _matrix_shape, _orthonormalise, _square_ish
+from gradsync.hooks.wire import all_gather_bytes, all_reduce_bytes
+
+from harness import run_distributed
+from models import all_gather_flat, global_batch, grads_of, loss_fn, make_model, shard
+
+W = 2  # world size of every distributed test here
+
+
+# ---------------------------------------------------------------------------- tier 1: helpers
+def test_wire_bytes_follow_the_ring_model() -> None:
+    assert all_reduce_bytes(torch.zeros(10), 2) == 40  # 2 (W-1)/W * 40 bytes
+    assert all_reduce_bytes(torch.zeros(10), 4) == 60
+    assert all_gather_bytes(torch.zeros(10, dtype=torch.int8), 4) == 30  # (W-1) * 10 bytes
+    stats = WireStats(2)
+    stats.add(5)
+    stats.end_iteration()
+    stats.add_all_reduce(torch.zeros(3))
+    stats.end_iteration()
+    assert stats.bytes_per_iteration == [5, 12] and stats.mean_bytes_per_iteration(last=1) == 12
+
+
+def test_bad_knobs_are_rejected_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="start_iter=2"):
+        PowerSGDState(None, start_iter=1)
+    with pytest.raises(ValueError, match="matrix_approximation_rank"):
+        PowerSGDState(None, matrix_approximation_rank=0)
+    with pytest.raises(ValueError, match="ratio"):
+        TopKState(None, ratio=0.0)
+    with pytest.raises(ValueError, match="floating dtype"):
+        compress_wrapper(allreduce_hook, torch.int8)
+    bucket = GradBucket(0, torch.zeros(2), BucketStorage([0], [torch.zeros(2)], False), is_last=True)
+    with pytest.raises(TypeError, match="AllReduceState"):
+        allreduce_hook("WORLD", bucket)
+
+
+def test_matrix_views_and_padding() -> None:
+    assert _square_ish(64) == (8, 8) and _square_ish(60) == (8, 8) and _square_ish(65) == (9, 8)
+    assert _matrix_shape(torch.zeros(4, 3, 2, 2)) == (4, 12)
+    assert _matrix_shape(torch.zeros(4, 3, 2, 2).to(memory_format=torch.channels_last)) == (4, 12)
+    assert _matrix_shape(torch.zeros(5)) is None and _matrix_shape(torch.zeros(1, 5)) is None
+
+
+def test_orthonormalise_survives_zero_and_half_precision() -> None:
+    zero = torch.zeros(6, 2)
+    _orthonormalise(zero)
+    assert torch.isfinite(zero).all()
+    p = torch.randn(6, 2, generator=torch.Generator().manual_seed(0))
+    _orthonormalise(p)
+    assert torch.allclose(p.T @ p, torch.eye(2), atol=1e-6)
+    half = torch.randn(6, 2, generator=torch.Generator().manual_seed(1)).bfloat16()
+    _orthonormalise(half)
+    assert torch.allclose((half.T @ half).float(), torch.eye(2), atol=2e-2)
+
+
+def test_bucket_memory_forgets_a_bucket_whose_parameters_changed() -> None:
+    params = [torch.zeros(3), torch.zeros(2)]
+    before = GradBucket(0, torch.zeros(3), BucketStorage([0], params[:1], False), is_last=True)
+    after = GradBucket(0, torch.zeros(2), BucketStorage([1], params[1:], False), is_last=True)
+    memory = BucketMemory()
+    memory.store(before, torch.ones(3))
+    assert memory.lookup(before) is not None and memory.lookup(after) is None
+
+
+# ---------------------------------------------------------------------------- tier 2: hook math
+SHAPES = [(8, 6), (6,), (5, 4, 3), (4,)]  # two matrices PowerSGD compresses, two vectors it does not
+NUMEL = sum(math.prod(s) for s in SHAPES)
+
+
+def _grad(step: int, rank: int, numel: int = NUMEL) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _mean(step: int, numel: int = NUMEL) -> torch.Tensor:
+    """What plain all-reduce computes: each rank's gradient divided by W, then summed."""
+    return sum(_grad(step, r, numel) / W for r in range(W))
+
+
+def _magnitude(step: int) -> torch.Tensor:
+    return sum(_grad(step, r).abs() / W for r in range(W))
+
+
+class Buckets:
+    """Hand-built buckets over fixed parameters, so per-bucket memories persist between calls."""
+
+    def __init__(self, shapes: list[tuple[int, ...]] = SHAPES) -> None:
+        self.params = [torch.zeros(s) for s in shapes]
+
+    def __call__(self, flat: torch.Tensor) -> GradBucket:
+        storage = BucketStorage(list(range(len(self.params))), self.params, False)
+        storage.flat.copy_(flat)
+        return GradBucket(0, storage.flat, storage, is_last=True)
+
+
+def _run(hook: Callable[..., Any], state: Any, bucket: GradBucket) -> torch.Tensor:
+    result = hook(state, bucket).wait()
+    return (result[0] if isinstance(result, list) else result).clone()
+
+
+def _everyone(tensor: torch.Tensor) -> list[torch.Tensor]:
+    gathered = [torch.empty_like(tensor) for _ in range(W)]
+    dist.all_gather(gathered, tensor.contiguous())
+    return gathered
+
+
+def _check_plain_and_casts() -> None:
+    rank = dist.get_rank()
+    make = Buckets()
+    mean, magnitude = _mean(0), _magnitude(0)
+    for state in (None, dist.group.WORLD, AllReduceState()):
+        assert torch.equal(_run(allreduce_hook, state, make(_grad(0, rank))), mean)
+    for hook, dtype in ((fp16_compress_hook, torch.float16), (bf16_compress_hook, torch.bfloat16)):
+        state = AllReduceState()
+        result = _run(hook, state, make(_grad(0, rank)))
+        assert result.dtype == torch.float32
+        # Cast of each (g / W), then a sum in dtype: at most two roundings of dtype's precision.
+        bound = torch.finfo(dtype).eps * magnitude + 2**-24
+        assert ((result - mean).abs() <= bound).all(), f"{dtype}: {(result - mean).abs().max()}"
+        assert state.wire.bytes_per_iteration == [NUMEL * 2]  # half of the fp32 all-reduce's 4 * NUMEL
+    wrapped = _run(compress_wrapper(allreduce_hook, torch.float16), None, make(_grad(0, rank)))
+    direct = _run(fp16_compress_hook, None, make(_grad(0, rank)))
+    # Same bits except where the wrapper's divide-after-cast double-rounds an fp16 subnormal.
+    assert (wrapped - direct).abs().max() <= 2**-24
+
+
+def test_plain_and_cast_hooks_match_hand_reference() -> None:
+    run_distributed(_check_plain_and_casts, W)
+
+
+def _rank_one_grads(step: int, rank: int, rows: int, cols: int) -> torch.Tensor:
+    """Every rank's gradient is u v_r^T with a shared u, so their average has rank one."""
+    u = torch.randn(rows, generator=torch.Generator().manual_seed(step))
+    return torch.outer(u, _grad(step, rank, cols)).reshape(-1)
+
+
+def _check_powersgd() -> None:
+    rank = dist.get_rank()
+    make = Buckets()
+    # Before start_iter: plain all-reduce, bit for bit.
+    state = PowerSGDState(None, start_iter=2)
+    for step in range(2):
+        assert torch.equal(_run(powersgd_hook, state, make(_grad(step, rank))), _mean(step))
+    # Then: vectors exact; each matrix the projection of the average onto r orthonormal columns.
+    result = _run(powersgd_hook, state, make(_grad(2, rank)))
+    mean, offset = _mean(2), 0
+    for shape in SHAPES:
+        n = math.prod(shape)
+        got, want = result[offset : offset + n], mean[offset : offset + n]
+        if len(shape) == 1:
+            assert torch.equal(got, want)
+        else:
+            _assert_rank_r_projection(got.view(shape[0], -1), want.view(shape[0], -1), 1)
+        offset += n
+    assert state.wire.bytes_per_iteration[-1] == 4 * ((8 + 6) + (5 + 12) + 6 + 4)  # P, Q, vectors
+    # Full rank is lossless; a rank-one average is recovered exactly at rank one.
+    full = PowerSGDState(
+        None,
+        matrix_approximation_rank=64,
+        start_iter=0,
+        min_compression_rate=0,
+        use_error_feedback=False,
+        warm_start=False,
+    )
+    assert torch.allclose(_run(powersgd_hook, full, make(_grad(3, rank))), _mean(3), atol=1e-5)
+    square = Buckets([(8, 8)])
+    for hook in (powersgd_hook, batched_powersgd_hook):
+        state = PowerSGDState(None, start_iter=0, use_error_feedback=False, warm_start=False)
+        got = _run(hook, state, square(_rank_one_grads(4, rank, 8, 8)))
+        want = sum(_rank_one_grads(4, r, 8, 8) / W for r in range(W))
+        assert torch.allclose(got, want, atol=1e-5), hook.__name__
+    # Batched over an unpadded 11 x 11 bucket: the rank-one projection of the average.
+    state = PowerSGDState(None, start_iter=0, use_error_feedback=False, warm_start=False)
+    got = _run(batched_powersgd_hook, state, Buckets([(11, 11)])(_grad(5, rank, 121)))
+    _assert_rank_r_projection(got.view(11, 11), _mean(5, 121).view(11, 11), 1)
+    # Padded (118 entries as 11 x 11): result = p q^T, q = M^T p, |p| = 1, M the zero-padded average.
+    state = PowerSGDState(None, start_iter=2)
+    state.iter = 2
+    got = _run(batched_powersgd_hook, state, make(_grad(5, rank)))
+    q = state.q_memory.get(0)  # the all-reduced Q, kept for the warm start
+    p = got[:110].view(10, 11) @ q / q.dot(q)  # the 10 complete rows give p's first entries
+    p = torch.cat([p, got[110:] @ q[:8] / q[:8].dot(q[:8]).reshape(1)])  # the last, 8 of 11 filled
+    padded = torch.cat([_mean(5), torch.zeros(3)]).view(11, 11)
+    assert torch.allclose(p.norm(), torch.tensor(1.0), atol=1e-5)
+    assert torch.allclose(torch.outer(p, q).reshape(-1)[:NUMEL], got, atol=1e-5)
+    assert torch.allclose(padded.T @ p, q, atol=1e-5)
+    assert state.wire.bytes_per_iteration[-1] == 4 * (11 + 11)
+
+
+def _assert_rank_r_projection(approx: torch.Tensor, target: torch.Tensor, r: int) -> None:
+    """``approx == B B^T target`` for B an orthonormal basis of approx's column space."""
+    basis = torch.linalg.svd(approx.double())[0][:, :r]
+    projected = (basis @ (basis.T @ target.double())).float()
+    assert torch.allclose(projected, approx, atol=1e-5), (projected - approx).abs().max()
+
+
+def test_powersgd_matches_hand_reference() -> None:
+    run_distributed(_check_powersgd, W)
+
+
+def _check_error_feedback_conserves_the_gradient(name: str) -> None:
+    """With error feedback, what was applied plus what is still owed is all that was computed.
+
+    PowerSGD keeps its errors divided by W (the ranks' errors add up to the debt), top-k
+    and int8 in gradient units (their mean is the debt).
+    """
+    rank = dist.get_rank()
+    make = Buckets()
+    hook, state, errors_are_divided = {
+        "powersgd": (powersgd_hook, PowerSGDState(None, start_iter=2), True),
+        "batched_powersgd": (batched_powersgd_hook, PowerSGDState(None, start_iter=2), True),
+        "topk": (topk_hook, TopKState(None, ratio=0.1), False),
+        "int8": (int8_hook, Int8State(None), False),
+    }[name]
+    applied, computed = torch.zeros(NUMEL), torch.zeros(NUMEL)
+    for step in range(6):
+        applied += _run(hook, state, make(_grad(step, rank)))
+        computed += _mean(step)
+    debt = sum(_everyone(state.errors.get(0)))
+    debt = debt if errors_are_divided else debt / W
+    assert debt.abs().max() > 1e-3, "nothing was held back: the test would prove nothing"
+    assert torch.allclose(applied + debt, computed, atol=1e-5), (applied + debt - computed).abs().max()
+
+
+@pytest.mark.parametrize("name", ["powersgd", "batched_powersgd", "topk", "int8"])
+def test_error_feedback_conserves_the_gradient(name: str) -> None:
+    run_distributed(_check_error_feedback_conserves_the_gradient, W, name)
+
+
+def _check_topk_and_int8() -> None:
+    rank = dist.get_rank()
+    make = Buckets()
+    assert torch.equal(_run(topk_hook, TopKState(None, ratio=1.0), make(_grad(0, rank))), _mean(0))
+    state = TopKState(None, ratio=0.25)
+    k = math.ceil(0.25 * NUMEL)
+    want = torch.zeros(NUMEL)
+    for r in range(W):
+        g = _grad(1, r)
+        index = g.abs().topk(k).indices
+        want[index] += g[index] / W
+    assert torch.allclose(_run(topk_hook, state, make(_grad(1, rank))), want, atol=1e-7)
+    assert state.wire.bytes_per_iteration == [k * (4 + 4)]  # int32 index + fp32 value, to one peer
+    state = Int8State(None)
+    got = _run(int8_hook, state, make(_grad(2, rank)))
+    scale = max(_grad(2, r).abs().max() for r in range(W))
+    step = scale / 127
+    want = sum(torch.round(_grad(2, r) / step) for r in range(W)) * (step / W)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert (got - _mean(2)).abs().max() <= scale / 127 / 2 + 1e-6  # half a quantisation step
+    assert state.wire.bytes_per_iteration == [NUMEL + 4]  # int8 payload + the shared scale
+
+
+def test_topk_and_int8_match_hand_reference() -> None:
+    run_distributed(_check_topk_and_int8, W)
+
+
+# ---------------------------------------------------------------------------- tier 3: under DDP
+HOOKS: dict[str, Callable[[], tuple[Any, Callable[..., Any]]]] = {
+    "allreduce": lambda: (AllReduceState(), allreduce_hook),
+    "fp16": lambda: (AllReduceState(), fp16_compress_hook),
+    "bf16": lambda: (AllReduceState(), bf16_compress_hook),
+    "fp16_wrapper": lambda: (AllReduceState(), compress_wrapper(allreduce_hook, torch.float16)),
+    "powersgd": lambda: (PowerSGDState(None, start_iter=10), powersgd_hook),
+    "batched_powersgd": lambda: (
+        PowerSGDState(None, matrix_approximation_rank=4, start_iter=10),
+        batched_powersgd_hook,
+    ),
+    "bf16_powersgd": lambda: (PowerSGDState(None, start_iter=10), compress_wrapper(powersgd_hook, torch.bfloat16)),
+    "topk": lambda: (TopKState(None, ratio=0.01), topk_hook),
+    "int8": lambda: (Int8State(None), int8_hook),
+}
+COMPRESSING = [name for name in HOOKS if name != "allreduce"]
+
+
+def _replicas_agree(model: nn.Module, what: str) -> None:
+    replicas = all_gather_flat(list(model.parameters()))
+    assert all(torch.equal(replicas[0], r) for r in replicas[1:]), f"replicas differ: {what}"
+
+
+def _hooks_on_test_models(name: str) -> None:
+    """Every hook on every kind of bucket (conv, fp64, sparse, several buckets, views): replicas agree."""
+    rank = dist.get_rank()
+    for model_name in ("mlp", "cnn_bn", "mixed_fp32_fp64", "sparse_embedding"):
+        for as_view in (False, True):
+            model = make_model(model_name)
+            ddp = DDP(model, bucket_cap_mb=0.001, gradient_as_bucket_view=as_view)
+            state, hook = HOOKS[name]()
+            if isinstance(state, PowerSGDState):
+                state.start_iter = 2
+            ddp.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            for step in range(4):
+                x, y = global_batch(model_name, W, step)
+                opt.zero_grad()
+                loss_fn(ddp(shard(x, rank, W)), shard(y, rank, W)).backward()
+                opt.step()
+                _replicas_agree(model, f"{name} on {model_name}, as_view={as_view}, step {step}")
+
+
+@pytest.mark.parametrize("name", list(HOOKS))
+def test_replicas_stay_identical_under_every_hook(name: str) -> None:
+    run_distributed(_hooks_on_test_models, W, name)
+
+
+def _lossless_settings_equal_plain_allreduce() -> None:
+    rank = dist.get_rank()
+    lossless = {
+        "allreduce": (None, allreduce_hook),
+        "powersgd before start_iter": (PowerSGDState(None, start_iter=5), powersgd_hook),
+        "batched before start_iter": (PowerSGDState(None, start_iter=5), batched_powersgd_hook),
+        "topk ratio 1.0": (TopKState(None, ratio=1.0), topk_hook),
+    }
+    for what, (state, hook) in lossless.items():
+        plain_model = make_model("mlp")
+        hooked_model = copy.deepcopy(plain_model)
+        plain, hooked = DDP(plain_model, bucket_cap_mb=0.001), DDP(hooked_model, bucket_cap_mb=0.001)
+        hooked.register_comm_hook(state, hook)
+        for step in range(4):
+            x, y = global_batch("mlp", W, step)
+            for ddp in (plain, hooked):
+                ddp.zero_grad()
+                loss_fn(ddp(shard(x, rank, W)), shard(y, rank, W)).backward()
+            for (pname, a), b in zip(grads_of(hooked_model).items(), grads_of(plain_model).values()):
+                assert torch.equal(a, b), f"{what}: {pname} differs at step {step}"
+
+
+def test_lossless_settings_equal_plain_allreduce_bit_for_bit() -> None:
+    run_distributed(_lossless_settings_equal_plain_allreduce, W)
+
+
+def _cast_hooks_match_single_process() -> None:
+    rank = dist.get_rank()
+    x, y = global_batch("mlp", W, 0)
+    casts = ((allreduce_hook, torch.float32), (fp16_compress_hook, torch.float16), (bf16_compress_hook, torch.bfloat16))
+    for hook, dtype in casts:
+        model = make_model("mlp")
+        reference = copy.deepcopy(model)
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        ddp.register_comm_hook(AllReduceState(), hook)
+        loss_fn(ddp(shard(x, rank, W)), shard(y, rank, W)).backward()
+        (sum(loss_fn(reference(shard(x, r, W)), shard(y, r, W)) for r in range(W)) / W).backward()
+        for (name, got), want in zip(grads_of(model).items(), grads_of(reference).values()):
+            # Two roundings to dtype's precision, relative to the gradient's scale (fp32: the
+            # single-process sum's own rounding dominates, hence the 1e-6 floor).
+            tolerance = 2 * torch.finfo(dtype).eps * want.abs().max() + 1e-6
+            assert (got - want).abs().max() <= tolerance, f"{dtype}: {name} off by {(got - want).abs().max()}"
+
+
+def test_cast_hooks_match_single_process_within_dtype_precision() -> None:
+    run_distributed(_cast_hooks_match_single_process, W)
+
+
+# ---------------------------------------------------------------------------- convergence
+STEPS, PER_RANK, DIM, CLASSES = 150, 32, 32, 4
+
+
+def _blobs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four overlapping Gaussian blobs in 32 dimensions: learnable, not trivially separable."""
+    centers = torch.randn(CLASSES, DIM, generator=torch.Generator().manual_seed(0)) * 0.35
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, CLASSES, (n,), generator=generator)
+    return centers[labels] + torch.randn(n, DIM, generator=generator), labels
+
+
+def _blob_model() -> nn.Module:
+    torch.manual_seed(0)  # 32*64 + 64*64 + 64*4 weights, 132 biases: 6,532 parameters
+    return nn.Sequential(nn.Linear(DIM, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, CLASSES))
+
+
+def _train_blobs(name: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    model = _blob_model()
+    ddp = DDP(model)  # one bucket: the whole model fits in the first bucket's 1 MiB
+    state, hook = HOOKS[name]()
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    train_x, train_y = _blobs(4096, seed=1)
+    for step in range(STEPS):
+        rows = torch.randint(0, len(train_x), (W * PER_RANK,), generator=torch.Generator().manual_seed(step))
+        mine = rows[rank * PER_RANK : (rank + 1) * PER_RANK]
+        opt.zero_grad()
+        F.cross_entropy(ddp(train_x[mine]), train_y[mine]).backward()
+        opt.step()
+        if step % 50 == 49:
+            _replicas_agree(model, f"{name} after step {step}")
+    test_x, test_y = _blobs(2048, seed=2)
+    with torch.no_grad():
+        loss = F.cross_entropy(model(test_x), test_y).item()
+    return {"loss": loss, "bytes": state.wire.mean_bytes_per_iteration(last=STEPS - 10)}
+
+
+def _train_all() -> dict[str, dict[str, Any]]:
+    return {name: _train_blobs(name) for name in HOOKS}
+
+
+@pytest.fixture(scope="module")
+def blob_runs() -> dict[str, dict[str, Any]]:
+    per_rank = run_distributed(_train_all, W, timeout_s=120)
+    assert per_rank[0] == per_rank[1], "ranks disagree on the final loss or the bytes sent"
+    return per_rank[0]
+
+
+def _expected_ratio(name: str) -> float:
+    """fp32 all-reduce bytes over the hook's, from the model's shapes (W = 2, one bucket)."""
+    weights, biases = [(64, 32), (64, 64), (4, 64)], 64 + 64 + 4
+    n = sum(a * b for a, b in weights) + biases
+    if name in ("fp16", "bf16", "fp16_wrapper"):
+        return 2.0
+    if name in ("powersgd", "bf16_powersgd"):
+        element = 2 if name == "bf16_powersgd" else 4
+        return 4 * n / (element * (sum(a + b for a, b in weights) + biases))
+    if name == "batched_powersgd":
+        return n / (2 * 4 * 81)  # 6,532 entries as 81 x 81, rank 4: P and Q of 81 x 4
+    if name == "topk":
+        return 4 * n / (8 * math.ceil(0.01 * n))
+    if name == "int8":
+        return 4 * n / (n + 4)
+    return 1.0
+
+
+# Final test loss may exceed plain all-reduce's by at most this much. Plain goes from 1.387
+# to 0.429 here; measured gaps: fp16, bf16, int8 < 0.001, PowerSGD 0.003, batched PowerSGD
+# (rank 4) 0.020, top-k (1%) 0.029. The same hooks without error feedback end at 0.85-1.01,
+# so this tolerance does catch a hook whose error feedback is broken.
+LOSS_TOLERANCE = 0.05
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_compressing_hooks_converge_like_plain_allreduce(name: str, blob_runs: dict[str, dict[str, Any]]) -> None:
+    plain, ours = blob_runs["allreduce"], blob_runs[name]
+    assert plain["loss"] < 0.6, f"the task itself did not train: {plain['loss']:.3f}"
+    assert ours["loss"] <= plain["loss"] + LOSS_TOLERANCE, f"{name}: {ours['loss']:.4f} vs plain {plain['loss']:.4f}"
+    ratio = plain["bytes"] / ours["bytes"]
+    assert ratio == pytest.approx(_expected_ratio(name), rel=0.01), f"{name}: measured ratio {ratio:.2f}"
