@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import comm, options
+from .autotune import auto_bucket_caps
 from .debug import DesyncDetector, DivergenceCheck, Position
 from .device import move_to_device
 from .join import DDPJoinHook, all_ranks_agree_to_sync, find_common_rank
@@ -46,7 +47,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = None,
+        bucket_cap_mb: float | str | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -79,6 +80,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.output_device = None if self.device is None else (output_device or self.device)
         self.dim = dim
         caps = options.resolve_caps(bucket_cap_mb, bucket_cap_mb_list)
+        if caps is None:  # "auto": sized from this group's measured all-reduce cost
+            total = sum(p.numel() * p.element_size() for _, p in named_params)
+            caps = auto_bucket_caps(self.process_group, named_params[0][1].device, total)
         init_sync_buffers, self.forward_sync_buffers = options.resolve_buffer_sync(
             broadcast_buffers, forward_sync_buffers
         )

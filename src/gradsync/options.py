@@ -122,9 +122,14 @@ def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bo
     return init_sync_buffers, broadcast_buffers is not False
 
 
-def resolve_caps(bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None) -> list[int]:
+def resolve_caps(bucket_cap_mb: float | str | None, bucket_cap_mb_list: Sequence[float] | None) -> list[int] | None:
+    """Caps in bytes; ``None`` for ``"auto"``, which is measured once the group is known."""
+    if bucket_cap_mb == "auto":
+        if bucket_cap_mb_list is not None:
+            raise ValueError('bucket_cap_mb="auto" and bucket_cap_mb_list cannot be combined; pick one.')
+        return None
     if bucket_cap_mb is not None and (not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0):
-        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}.")
+        raise ValueError(f'bucket_cap_mb must be a positive number of MiB or "auto", got {bucket_cap_mb!r}.')
     if bucket_cap_mb_list is not None and (
         not bucket_cap_mb_list or any(not isinstance(c, (int, float)) or c <= 0 for c in bucket_cap_mb_list)
     ):

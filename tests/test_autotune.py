@@ -1,0 +1,47 @@
+"""bucket_cap_mb="auto": caps from measured all-reduce cost, identical on every rank."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from gradsync import DistributedDataParallel as DDP
+from gradsync.autotune import MIN_CAP, choose_cap
+from gradsync.buckets import MIB
+
+from harness import run_distributed
+from models import assert_grads_close, global_batch, grads_of, loss_fn, make_model, rank_world, reference_step, shard
+
+
+def test_choose_cap_balances_latency_against_transfer_time() -> None:
+    # 50 us latency at 1 GB/s: latency is 10% of the transfer time of 500 KB
+    assert choose_cap(50e-6, 1e9, total_bytes=100 * MIB) == 500_000
+    # never above 25 MiB, however slow the start-up
+    assert choose_cap(1.0, 1e9, total_bytes=10**12) == 25 * MIB
+    # never below the floor, however fast
+    assert choose_cap(1e-9, 1e9, total_bytes=100 * MIB) == MIN_CAP
+    # at least four buckets for a model that is big enough
+    assert choose_cap(50e-6, 1e9, total_bytes=1_600_000) == 400_000
+
+
+def _auto() -> list[int]:
+    rank, world = rank_world()
+    model = make_model("mlp")
+    reference = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb="auto", gradient_as_bucket_view=True)
+    for step in range(2):
+        x, y = global_batch("mlp", world, step)
+        model.zero_grad()
+        reference.zero_grad()
+        loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+        reference_step(reference, x, y, world)
+        assert_grads_close(grads_of(model), grads_of(reference))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        DDP(make_model("mlp"), bucket_cap_mb="auto", bucket_cap_mb_list=[1])
+    return ddp.reducer.caps
+
+
+def test_auto_caps_are_identical_on_every_rank_and_train_correctly() -> None:
+    caps = run_distributed(_auto, 3)
+    assert caps[0] == caps[1] == caps[2] and len(caps[0]) == 1 and caps[0][0] >= MIN_CAP
