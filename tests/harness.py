@@ -34,16 +34,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
+def _worker_main(rank: int, world_size: int, port: int, conn: Any, pg_timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
-    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
     while True:
         message = conn.recv()
         if message is None:
@@ -57,7 +55,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
 
 
 class WorkerPool:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, pg_timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> None:
         self.world_size = world_size
         context = mp.get_context("spawn")
         port = _free_port()
@@ -65,12 +63,16 @@ class WorkerPool:
         self.processes = []
         for rank in range(world_size):
             parent, child = context.Pipe()
-            process = context.Process(target=_worker_main, args=(rank, world_size, port, child), daemon=False)
+            process = context.Process(
+                target=_worker_main, args=(rank, world_size, port, child, pg_timeout_s), daemon=False
+            )
             process.start()
             self.connections.append(parent)
             self.processes.append(process)
 
-    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], args: tuple, timeout_s: float, expect_dead: frozenset[int] = frozenset()
+    ) -> list[Any]:
         for conn in self.connections:
             conn.send((fn, args))
         results: dict[int, Any] = {}
@@ -94,7 +96,10 @@ class WorkerPool:
                     try:
                         status, payload = conn.recv()
                     except EOFError:
-                        errors[rank] = "worker process died"
+                        if rank in expect_dead:
+                            results[rank] = None  # the test killed this rank on purpose
+                        else:
+                            errors[rank] = "worker process died"
                         continue
                     if status == "ok":
                         results[rank] = payload
@@ -133,17 +138,24 @@ _pools: dict[int, WorkerPool] = {}
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = 120, isolated: bool = False
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout_s: float = 120,
+    isolated: bool = False,
+    expect_dead: frozenset[int] = frozenset(),
+    pg_timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
 ) -> list[Any]:
     """Run ``fn(*args)`` on every rank of a ``world_size`` gloo group; per-rank results.
 
     ``isolated=True`` runs in fresh workers that are discarded afterwards: for tests that
-    leave collectives unmatched on purpose.
+    leave collectives unmatched on purpose. Ranks in ``expect_dead`` may kill themselves
+    (their result is ``None``); ``pg_timeout_s`` sets an isolated group's collective timeout.
     """
-    if isolated:
-        pool = WorkerPool(world_size)
+    if isolated or expect_dead:
+        pool = WorkerPool(world_size, pg_timeout_s)
         try:
-            return pool.run(fn, args, timeout_s)
+            return pool.run(fn, args, timeout_s, expect_dead)
         finally:
             pool.close()
     pool = _pools.get(world_size)

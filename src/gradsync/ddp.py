@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import comm, options
+from . import comm, liveness, options, watch
 from .autotune import auto_bucket_caps
 from .debug import DesyncDetector, DivergenceCheck, Position
 from .device import move_to_device
@@ -109,6 +109,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             "static_graph": static_graph,
         }
         self.reducer = self._make_reducer()
+        liveness.start_responder()  # lets survivors of a crash name the dead rank
+        self._added_after_wrapping: list[str] = []
+        watch.watch(module, self._on_module_changed)
         self._divergence: DivergenceCheck | None = None
         if os.environ.get("GRADSYNC_DEBUG", "").lower() in ("desync", "detail"):
             self.enable_desync_detection()
@@ -165,6 +168,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with torch.profiler.record_function("gradsync::forward"):
             forward_start = now()
+            self.reducer.phase = "forward"
             grad_enabled = torch.is_grad_enabled()
             will_sync = grad_enabled and self.require_backward_grad_sync
             if grad_enabled:
@@ -196,7 +200,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                 times.buffer_sync_start, times.buffer_sync_end = sync_start, sync_end
             else:
                 self.require_forward_param_sync = False
-                self.reducer.skip_backward()
+                if grad_enabled:
+                    # A no_sync forward: its backward accumulates locally. A no-grad forward
+                    # builds no graph, so a pending synced backward stays armed.
+                    self.reducer.skip_backward()
             return output
 
     def will_sync_module_buffers(self) -> bool:
@@ -223,10 +230,25 @@ class DistributedDataParallel(nn.Module, Joinable):
                 src = self._authoritative_rank()
             # A buffer saved for backward (e.g. by an eval-mode BatchNorm) is overwritten
             # with equal values on the source rank; keep autograd's version check quiet.
-            with _preserve_version_counters(self._synced_buffers):
-                comm.broadcast_coalesced(self._synced_buffers, src, self.process_group)
+            self.reducer.phase = "the buffer broadcast before forward"
+            try:
+                with _preserve_version_counters(self._synced_buffers):
+                    comm.broadcast_coalesced(self._synced_buffers, src, self.process_group)
+            except RuntimeError as error:
+                raise RuntimeError(self.reducer.collective_failure_message(str(error))) from error
+
+    def _on_module_changed(self, module: nn.Module, name: str) -> None:
+        prefix = next((n for n, m in self.module.named_modules() if m is module), "?")
+        self._added_after_wrapping.append(f"{prefix}.{name}" if prefix else name)
 
     def _check_trainable_unchanged(self) -> None:
+        if self._added_after_wrapping:
+            added = self._added_after_wrapping
+            raise RuntimeError(
+                f"Parameters or submodules {added} were added to (or replaced in) the module after it was "
+                f"wrapped in DistributedDataParallel (rank {self.reducer.rank}); their gradients would never be "
+                "synchronised. Build the complete model before wrapping it, or wrap it again."
+            )
         flags = [p.requires_grad for p in self._trainable]
         if flags == self._trainable_flags:
             return
@@ -385,6 +407,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__setstate__(state)
         self.process_group = dist.group.WORLD
         self.reducer = self._make_reducer()
+        watch.watch(self.module, self._on_module_changed)
 
     def train(self, mode: bool = True) -> DistributedDataParallel:
         super().train(mode)

@@ -48,6 +48,7 @@ from . import comm, errors, graph
 from .bucket_set import BucketSet
 from .debug import DesyncDetector, Position
 from .grad_bucket import GradBucket
+from .liveness import roll_call
 from .stats import IterationTimes, RunningStats, now
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class Reducer:
         self.running = RunningStats()
         self.timeline: Any = None  # a trace.Timeline while tracing
         self.desync: DesyncDetector | None = None
+        self.phase = "construction"  # named in errors when a collective fails
         self._warned_nothing_unused = False
         self._reset_iteration()
         self._grad_hook_handles = [
@@ -217,6 +219,7 @@ class Reducer:
 
     def _begin_reduction(self) -> None:
         self.state = ReducerState.REDUCING
+        self.phase = "backward"
         self.times.backward_start = now()
         self._queue_finalize()
         if self._static_expected is not None:
@@ -276,7 +279,11 @@ class Reducer:
         if self.comm_hook is None:
             # Divide before summing so low-precision gradients cannot overflow.
             flat.div_(self._take_divisor())
-            work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+            try:
+                work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+            except RuntimeError as error:  # a dead peer can fail the launch itself
+                self._errors.append(f"all-reduce failed on bucket {b}: {error}")
+                work = None
             self._results.append(work)
             return
         bucket = GradBucket(b, flat, storage, is_last=b == len(self.buckets.storages) - 1)
@@ -313,6 +320,7 @@ class Reducer:
 
     def _finalize(self) -> None:
         self.times.finalize_start = now()
+        self.phase = "the wait for gradient reductions at the end of backward"
         first_static_iteration = self.static_graph and self._static_expected is None
         # Whether to agree on the used map must be the same on every rank, so it depends
         # on the synced iteration count, which joined ranks advance too.
@@ -347,7 +355,16 @@ class Reducer:
         self._record_iteration()
         self.iteration += 1
         if self._errors:
-            raise RuntimeError("; ".join(dict.fromkeys(self._errors)))
+            message = "; ".join(dict.fromkeys(self._errors))
+            if any(" failed on bucket " in e for e in self._errors):
+                message = self.collective_failure_message(message, iteration=self.iteration - 1)
+            raise RuntimeError(message)
+
+    def collective_failure_message(self, detail: str, iteration: int | None = None) -> str:
+        """Where this rank was when a collective failed, and which ranks are gone."""
+        iteration = self.iteration if iteration is None else iteration
+        where = f"{self.phase} of iteration {iteration}"
+        return f"Rank {self.rank}: a collective failed during {where}: {detail}. {roll_call(where)}"
 
     def _record_iteration(self) -> None:
         times = self.times
@@ -401,7 +418,11 @@ class Reducer:
             self.desync.check(
                 Position("broadcast of the bucket order", self.synced_forwards, len(local), "torch.int64")
             )
-        order = comm.broadcast_int_list(local, src, self.process_group, self.buckets.device)
+        self.phase = "the one-time bucket rebuild broadcast"
+        try:
+            order = comm.broadcast_int_list(local, src, self.process_group, self.buckets.device)
+        except RuntimeError as error:
+            raise RuntimeError(self.collective_failure_message(str(error))) from error
         self.buckets = self.buckets.rebuilt(order, self.rebuild_caps, self.as_view)
         self._rebuild_pending = False
         self._ready_order = []

@@ -1,0 +1,95 @@
+"""When a collective fails: which rank is gone?
+
+[Note: roll call]
+A rank killed mid-training makes the others' next collective fail ("connection reset by
+peer") or time out, which by itself says nothing about who died. So every process runs
+a small responder thread, started with the first DistributedDataParallel, that blocks
+in the rendezvous store (MASTER_ADDR:MASTER_PORT, hosted by torchrun's agent) until a
+roll call is requested. A rank whose collective failed requests one and waits a few
+seconds for answers: every live process answers, even one stuck inside a collective,
+because its responder thread does not need the main thread. Ranks that do not answer
+are named as dead. Until something fails this costs one idle blocked thread and one
+store connection per process; no heartbeat traffic, no extra collective.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+ROLL_CALL_WAIT_S = 3.0
+_STORE_TIMEOUT = timedelta(seconds=10)
+_IDLE_WAIT = timedelta(hours=24)
+_started: set[tuple[str, str]] = set()
+
+
+def _prefix() -> str:
+    # A restarted job (torchrun --max-restarts) must not see the answers of the previous attempt.
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"gradsync/roll_call/{run}/{attempt}"
+
+
+def _connect(timeout: timedelta) -> dist.TCPStore | None:
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def start_responder() -> None:
+    """Answer roll calls from this process from now on (idempotent, best effort)."""
+    key = (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
+    if key in _started or not all(key) or not dist.is_initialized():
+        return
+    _started.add(key)
+    rank = dist.get_rank()
+    threading.Thread(target=_respond_forever, args=(rank,), name="gradsync-roll-call", daemon=True).start()
+
+
+def _respond_forever(rank: int) -> None:
+    try:
+        store = _connect(_IDLE_WAIT)
+        if store is None:
+            return
+        prefix = _prefix()
+        generation = 1
+        while True:
+            store.wait([f"{prefix}/request/{generation}"])  # blocks without holding the GIL
+            store.set(f"{prefix}/answer/{generation}/{rank}", store.get(f"{prefix}/request/{generation}"))
+            generation += 1
+    except Exception:  # noqa: BLE001 - the store went away (job over, or its host died)
+        return
+
+
+def roll_call(where: str, wait_s: float = ROLL_CALL_WAIT_S) -> str:
+    """A sentence naming the ranks whose processes no longer answer; never raises."""
+    if not dist.is_initialized():
+        return ""
+    world = dist.get_world_size()
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    try:
+        store = _connect(_STORE_TIMEOUT)
+        if store is None:
+            return "(Launch with torchrun or init_method='env://' to have the dead rank named.)"
+        prefix = _prefix()
+        generation = store.add(f"{prefix}/generation", 1)
+        store.set(f"{prefix}/request/{generation}", where)
+        deadline = time.time() + wait_s
+        answered: set[int] = set()
+        while len(answered) < world and time.time() < deadline:
+            answered |= {r for r in range(world) if store.check([f"{prefix}/answer/{generation}/{r}"])}
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the report must not hide the original failure
+        return (
+            f"The rendezvous store at {host}:{port} no longer answers; outside torchrun it lives in rank 0's "
+            "process, so rank 0 has probably died."
+        )
+    missing = [r for r in range(world) if r not in answered]
+    if not missing:
+        return "Every rank's process is still alive, so none died: a collective timed out or the ranks desynchronised."
+    return f"Rank(s) {missing} did not answer a roll call within {wait_s:.0f}s: their processes have died."

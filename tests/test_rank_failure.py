@@ -1,0 +1,98 @@
+"""A rank killed mid-step: the survivors raise a clear error, within the timeout, naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from gradsync import DistributedDataParallel as DDP
+
+from harness import run_distributed
+from models import MLP, ConvBN, global_batch, loss_fn, rank_world, shard
+
+VICTIM = 1
+# A survivor blocked on a live peer only notices at the group's timeout: keep it short.
+PG_TIMEOUT_S = 10
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DiesInForward(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, at_call: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+        self.at_call = at_call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at_call and torch.distributed.get_rank() == VICTIM:
+            _die()
+        return self.inner(x)
+
+
+def _kill_during(phase: str) -> str:
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    if phase == "forward":
+        model, name = DiesInForward(ConvBN(), at_call=3), "cnn_bn"
+    elif phase == "between_steps":
+        model, name = ConvBN(), "cnn_bn"
+    else:
+        model, name = MLP(), "mlp"
+    ddp = DDP(model)
+    if phase == "backward" and rank == VICTIM:
+        calls = {"n": 0}
+
+        def die_on_third_backward(grad: torch.Tensor) -> torch.Tensor:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                _die()
+            return grad
+
+        model.head.weight.register_hook(die_on_third_backward)
+    if phase == "reduction":
+
+        def die_in_reduction(state, bucket):  # noqa: ANN001 - torch checks hook annotations
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            if ddp.reducer.iteration == 2 and rank == VICTIM:
+                _die()
+            return allreduce_hook(None, bucket)
+
+        ddp.register_comm_hook(None, die_in_reduction)
+    with pytest.raises(RuntimeError) as error:
+        for step in range(5):
+            if phase == "between_steps" and step == 2 and rank == VICTIM:
+                _die()
+            x, y = global_batch(name, world, step)
+            loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+    return str(error.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "phase, where",
+    [
+        # killed inside forward: the others finish their forward and fail in the reduction
+        ("forward", "the wait for gradient reductions at the end of backward of iteration 2"),
+        # killed between steps: the others fail broadcasting buffers before the next forward
+        ("between_steps", "the buffer broadcast before forward of iteration 2"),
+        ("backward", "the wait for gradient reductions at the end of backward of iteration 2"),
+        ("reduction", "the wait for gradient reductions at the end of backward of iteration 2"),
+    ],
+)
+def test_survivors_name_the_dead_rank(phase: str, where: str) -> None:
+    results = run_distributed(
+        _kill_during, 3, phase, expect_dead=frozenset({VICTIM}), timeout_s=90, pg_timeout_s=PG_TIMEOUT_S
+    )
+    assert results[VICTIM] is None
+    for rank in (0, 2):
+        message = results[rank]
+        assert f"Rank {rank}: a collective failed during {where}" in message, message
+        assert f"Rank(s) [{VICTIM}] did not answer a roll call" in message, message
