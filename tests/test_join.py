@@ -190,3 +190,26 @@ def _skew_warning() -> list[str]:
 def test_warns_when_skew_exceeds_threshold() -> None:
     joined_early, _ = run_distributed(_skew_warning, 2)
     assert any("uneven input skew of greater than 1000" in message for message in joined_early)
+
+
+def _sync_batchnorm_under_join(throw: bool) -> str:
+    from gradsync import SyncBatchNorm
+
+    rank, _ = rank_world()
+    model = SyncBatchNorm.convert_sync_batchnorm(make_model("cnn_bn"))
+    ddp = DDP(model)
+    try:
+        with ddp.join(throw_on_early_termination=throw):
+            for _ in range(1 if rank == 0 else 2):
+                ddp(torch.randn(2, 3, 8, 8)).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return ""
+
+
+def test_sync_batchnorm_under_join_needs_throw_on_early_termination() -> None:
+    for message in run_distributed(_sync_batchnorm_under_join, 2, False):
+        assert "['bn1', 'bn2'] communicate inside forward" in message
+        assert "throw_on_early_termination=True" in message
+    first, second = run_distributed(_sync_batchnorm_under_join, 2, True)
+    assert "Rank 0 exhausted all inputs" in first and "exhausted inputs" in second

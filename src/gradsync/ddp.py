@@ -25,6 +25,7 @@ from .device import move_to_device
 from .join import DDPJoinHook, all_ranks_agree_to_sync, find_common_rank
 from .reducer import Reducer, ReducerState
 from .stats import BucketInfo, DDPStats, now
+from .sync_batchnorm import SyncBatchNorm
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._synced_buffers = self._collect_buffers(module)
+        # Modules that communicate inside forward cannot be shadowed by joined ranks.
+        self._forward_collectives = [n for n, m in module.named_modules() if isinstance(m, SyncBatchNorm)]
         self._trainable = [p for _, p in module.named_parameters()]
         self._trainable_flags = [p.requires_grad for p in self._trainable]
         self._named_params = named_params
@@ -175,6 +178,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._check_trainable_unchanged()
             if self._divergence is not None and will_sync and not self._join_config.enable:
                 self._divergence.maybe_check(self.reducer.synced_forwards + 1)
+            if self._join_config.enable and self._forward_collectives:
+                self._check_join_allows_forward_collectives()
             still_active = Join.notify_join_context(self)  # None unless inside an enabled join
             if still_active is not None and not self._join_divide_by_initial_world_size:
                 self.reducer.divide_by_active_ranks(still_active.get_future())
@@ -364,6 +369,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             throw_on_early_termination,
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
+
+    def _check_join_allows_forward_collectives(self) -> None:
+        if not self._join_config.throw_on_early_termination:
+            raise RuntimeError(
+                f"Modules {self._forward_collectives} communicate inside forward (SyncBatchNorm), which ranks "
+                "that already joined cannot mirror, so training would hang. Use "
+                "join(throw_on_early_termination=True) and stop every rank once one runs out of data."
+            )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         if self.reducer.desync is not None:
