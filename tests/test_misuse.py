@@ -142,3 +142,26 @@ def test_batch_taking_different_branches_names_the_parameters() -> None:
     messages = run_distributed(_different_batch_structure, 2)
     assert messages[0] == ""
     assert "['extra.weight', 'extra.bias'] received no gradient on rank 1 in iteration 1" in messages[1]
+
+
+def _backward_raised_half_way() -> str:
+    rank, world = rank_world()
+    model = make_model("mlp")
+    ddp = DDP(model, bucket_cap_mb=0.001)
+
+    def user_hook_fails(grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("user hook failed")
+
+    handle = model.layers[0][0].weight.register_hook(user_hook_fails)
+    x, y = global_batch("mlp", world, 0)
+    with pytest.raises(ValueError, match="user hook failed"):
+        loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+    handle.remove()
+    with pytest.raises(RuntimeError) as error:
+        ddp(shard(x, rank, world))
+    return str(error.value)
+
+
+def test_training_on_after_a_failed_backward_is_refused() -> None:
+    for rank, message in enumerate(run_distributed(_backward_raised_half_way, 2, isolated=True)):
+        assert f"started reducing gradients on rank {rank} but never finished" in message
