@@ -193,29 +193,43 @@ class Reducer:
             Variable._execution_engine.queue_callback(self._finalize_callback)
 
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
+        # The hot path: runs once per parameter per backward, so it stays flat.
         self._used_since_sync[index] = True
         state = self.state
-        if state is ReducerState.ARMED:
+        if state is not ReducerState.REDUCING:
+            if state is not ReducerState.ARMED:
+                return  # no_sync, or a backward not through a synced forward's outputs
             self._begin_reduction()
-        elif state is not ReducerState.REDUCING:
-            return  # no_sync, or a backward not through a synced forward's outputs
-        self._fired[index] += 1
-        if self._static_expected is None and self.static_graph:
-            if self._fired[index] == 1 and self.iteration == 0:
-                self._ready_order.append(index)
-            return  # first static-graph iteration: everything is reduced at the end
-        if self._static_expected is not None:
-            if self._fired[index] == self._static_expected[index]:
-                self._mark_ready(index)
-            elif self._fired[index] > self._static_expected[index]:
-                self._errors.append(self._static_graph_error(index))
+        if self.static_graph:
+            self._on_static_grad(index)
             return
-        if self._ready[index]:
+        ready = self._ready
+        if ready[index]:
             self._errors.append(self._twice_error(index))
             return
         if self._rebuild_pending and self.iteration == 0:
             self._ready_order.append(index)
-        self._mark_ready(index)
+        ready[index] = True
+        bucket = self.buckets.bucket_of[index]
+        pending = self._pending
+        pending[bucket] -= 1
+        if pending[bucket] == 0:
+            self.times.bucket_ready[bucket] = now()
+            if bucket == self._next_bucket:
+                self._launch_ready_buckets()
+
+    def _on_static_grad(self, index: int) -> None:
+        """static_graph: count hook firings; a parameter is ready at its expected count."""
+        fired = self._fired
+        fired[index] += 1
+        if self._static_expected is None:
+            if fired[index] == 1 and self.iteration == 0:
+                self._ready_order.append(index)
+            return  # first static-graph iteration: everything is reduced at the end
+        if fired[index] == self._static_expected[index]:
+            self._mark_ready(index)
+        elif fired[index] > self._static_expected[index]:
+            self._errors.append(self._static_graph_error(index))
 
     def _begin_reduction(self) -> None:
         self.state = ReducerState.REDUCING
