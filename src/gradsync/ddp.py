@@ -6,7 +6,6 @@ work happens in ``reducer.py``.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -22,9 +21,10 @@ from . import comm, liveness, options, watch
 from .autotune import auto_bucket_caps
 from .debug import DesyncDetector, DivergenceCheck, Position
 from .device import move_to_device
+from .grad_bucket import check_comm_hook
 from .join import DDPJoinHook, all_ranks_agree_to_sync, find_common_rank
 from .reducer import Reducer, ReducerState
-from .stats import BucketInfo, DDPStats, now
+from .stats import DDPStats, collect_stats, now
 from .sync_batchnorm import SyncBatchNorm
 
 logger = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch's contract)."""
-        _check_comm_hook(hook)
+        check_comm_hook(hook)
         if self.reducer.comm_hook is not None:
             raise RuntimeError(
                 "A comm hook is already registered on this DistributedDataParallel; register_comm_hook "
@@ -300,33 +300,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ observability
     def stats(self) -> DDPStats:
         """Buckets, per-iteration timing averages, bytes reduced, unused parameters, hook."""
-        reducer, running = self.reducer, self.reducer.running
-        buckets = tuple(
-            BucketInfo(
-                index=b,
-                numel=sum(p.numel() for p in storage.params),
-                nbytes=storage.nbytes,
-                dtype=str(storage.params[0].dtype),
-                parameter_names=tuple(reducer.names[i] for i in storage.param_indices),
-                sparse=storage.sparse,
-            )
-            for b, storage in enumerate(reducer.buckets.storages)
-        )
-        return DDPStats(
-            rank=reducer.rank,
-            world_size=reducer.world_size,
-            buckets=buckets,
-            buckets_rebuilt=reducer.rebuilt,
-            iterations=running.iterations,
-            avg_forward_s=running.average(running.forward_s),
-            avg_backward_s=running.average(running.backward_s),
-            avg_comm_s=running.average(running.comm_s),
-            avg_exposed_comm_s=running.average(running.exposed_comm_s),
-            avg_buffer_sync_s=running.average(running.buffer_sync_s),
-            bytes_reduced_per_iteration=reducer.buckets.nbytes,
-            total_bytes_reduced=running.total_bytes,
-            unused_parameters=running.last_unused,
-            comm_hook=reducer.hook_name,
+        return collect_stats(
+            self.reducer,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
@@ -435,24 +410,3 @@ def _preserve_version_counters(tensors: list[torch.Tensor]) -> Iterator[None]:
         return
     with preserve(tuple(tensors)):
         yield
-
-
-def _check_comm_hook(hook: Callable[..., Any]) -> None:
-    if not callable(hook):
-        raise TypeError(f"comm hook must be callable as hook(state, bucket), got {type(hook).__name__}.")
-    try:
-        signature = inspect.signature(hook)
-    except (TypeError, ValueError):
-        return
-    bucket = signature.parameters.get("bucket")
-    if bucket is not None and bucket.annotation is not inspect.Parameter.empty:
-        if "GradBucket" not in str(getattr(bucket.annotation, "__name__", bucket.annotation)):
-            raise ValueError(
-                f"comm hook {hook.__qualname__}: the 'bucket' argument is annotated as "
-                f"{bucket.annotation!r}; it must be a GradBucket (torch.distributed.GradBucket)."
-            )
-    returned = signature.return_annotation
-    if returned is not inspect.Signature.empty and "Future" not in str(returned):
-        raise ValueError(
-            f"comm hook {hook.__qualname__}: return annotation {returned!r} must be torch.futures.Future[torch.Tensor]."
-        )

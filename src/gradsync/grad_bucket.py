@@ -13,6 +13,9 @@ slab would silently overwrite the neighbouring bucket.
 
 from __future__ import annotations
 
+import inspect
+from typing import Any, Callable
+
 import torch
 
 
@@ -118,3 +121,25 @@ class GradBucket:
 
     def __repr__(self) -> str:
         return f"GradBucket(index={self._index}, numel={self._buffer.numel()}, params={len(self._storage.params)})"
+
+
+def check_comm_hook(hook: Callable[..., Any]) -> None:
+    """Reject what torch's DDP rejects at registration: non-callables and wrong annotations."""
+    if not callable(hook):
+        raise TypeError(f"comm hook must be callable as hook(state, bucket), got {type(hook).__name__}.")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return
+    bucket = signature.parameters.get("bucket")
+    if bucket is not None and bucket.annotation is not inspect.Parameter.empty:
+        if "GradBucket" not in str(getattr(bucket.annotation, "__name__", bucket.annotation)):
+            raise ValueError(
+                f"comm hook {hook.__qualname__}: the 'bucket' argument is annotated as "
+                f"{bucket.annotation!r}; it must be a GradBucket (torch.distributed.GradBucket)."
+            )
+    returned = signature.return_annotation
+    if returned is not inspect.Signature.empty and "Future" not in str(returned):
+        raise ValueError(
+            f"comm hook {hook.__qualname__}: return annotation {returned!r} must be torch.futures.Future[torch.Tensor]."
+        )

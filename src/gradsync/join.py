@@ -26,8 +26,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from .grad_bucket import GradBucket
+
 if TYPE_CHECKING:
     from .ddp import DistributedDataParallel
+    from .reducer import Reducer
 
 
 def find_common_rank(rank: int, candidate: bool, group: dist.ProcessGroup, device: torch.device) -> int:
@@ -50,6 +53,25 @@ def all_ranks_agree_to_sync(wants_sync: bool, group: dist.ProcessGroup, device: 
     return bool(flag.item())
 
 
+def shadow_reduce(reducer: Reducer) -> None:
+    """A joined rank's part of one synced backward: every bucket, in order, with zeros."""
+    pending = []
+    count = len(reducer.buckets.storages)
+    for b, storage in enumerate(reducer.buckets.storages):
+        zeros = reducer.buckets.zeros_like_bucket(b)
+        if reducer.comm_hook is None:
+            pending.append(dist.all_reduce(zeros, group=reducer.process_group, async_op=True))
+        else:
+            bucket = GradBucket(b, zeros, storage, b == count - 1)
+            pending.append(reducer.comm_hook(reducer.comm_hook_state, bucket))
+    if reducer.find_unused or (reducer.static_graph and reducer.iteration == 0):
+        used = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.buckets.device)
+        pending.append(dist.all_reduce(used, group=reducer.process_group, async_op=True))
+    for work in pending:
+        work.wait()
+    reducer.iteration += 1
+
+
 class DDPJoinHook(JoinHook):
     """Shadows one training iteration per ``main_hook`` call on a joined rank."""
 
@@ -66,7 +88,7 @@ class DDPJoinHook(JoinHook):
         # The next forward syncs buffers only if this iteration synced gradients.
         ddp.require_forward_param_sync = bool(should_sync)
         if should_sync:
-            ddp.reducer.shadow_reduce()
+            shadow_reduce(ddp.reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp

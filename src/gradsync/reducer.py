@@ -406,23 +406,6 @@ class Reducer:
         dist.all_reduce(used, group=self.process_group)
         return [bool(u) for u in used.tolist()]
 
-    def shadow_reduce(self) -> None:
-        """A joined rank's part of one synced backward: every bucket, in order, with zeros."""
-        pending = []
-        count = len(self.buckets.storages)
-        for b, storage in enumerate(self.buckets.storages):
-            zeros = self.buckets.zeros_like_bucket(b)
-            if self.comm_hook is None:
-                pending.append(dist.all_reduce(zeros, group=self.process_group, async_op=True))
-            else:
-                pending.append(self.comm_hook(self.comm_hook_state, GradBucket(b, zeros, storage, b == count - 1)))
-        if self.find_unused or (self.static_graph and self.iteration == 0):
-            used = torch.zeros(len(self.params), dtype=torch.int32, device=self.buckets.device)
-            pending.append(dist.all_reduce(used, group=self.process_group, async_op=True))
-        for work in pending:
-            work.wait()
-        self.iteration += 1
-
     # ------------------------------------------------------------------ rebuild
     def _rebuild_from_observed_order(self) -> None:
         seen = set(self._ready_order)
