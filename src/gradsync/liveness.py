@@ -3,17 +3,19 @@
 [Note: roll call]
 A rank killed mid-training makes the others' next collective fail ("connection reset by
 peer") or time out, which by itself says nothing about who died. So every process runs
-a small responder thread, started with the first DistributedDataParallel, that blocks
-in the rendezvous store (MASTER_ADDR:MASTER_PORT, hosted by torchrun's agent) until a
-roll call is requested. A rank whose collective failed requests one and waits a few
+a small responder thread, started with the first DistributedDataParallel, that looks
+for a roll-call request in the rendezvous store (MASTER_ADDR:MASTER_PORT, hosted by
+torchrun's agent) twice a second. A rank whose collective failed requests one and waits a few
 seconds for answers: every live process answers, even one stuck inside a collective,
 because its responder thread does not need the main thread. Ranks that do not answer
-are named as dead. Until something fails this costs one idle blocked thread and one
-store connection per process; no heartbeat traffic, no extra collective.
+are named as dead. Until something fails this costs one store connection and two tiny
+store queries per second per process; no extra collective. The thread is stopped at
+interpreter exit, before the store's C++ client is torn down.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -23,7 +25,9 @@ import torch.distributed as dist
 
 ROLL_CALL_WAIT_S = 3.0
 _STORE_TIMEOUT = timedelta(seconds=10)
-_IDLE_WAIT = timedelta(hours=24)
+_RESPONDER_TIMEOUT = timedelta(seconds=2)
+# The responder looks for a roll call this often: well inside ROLL_CALL_WAIT_S.
+_POLL_S = 0.5
 _started: set[tuple[str, str]] = set()
 
 
@@ -47,21 +51,34 @@ def start_responder() -> None:
     if key in _started or not all(key) or not dist.is_initialized():
         return
     _started.add(key)
-    rank = dist.get_rank()
-    threading.Thread(target=_respond_forever, args=(rank,), name="gradsync-roll-call", daemon=True).start()
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=_respond_until, args=(dist.get_rank(), stop), name="gradsync-roll-call", daemon=True
+    )
+    thread.start()
+
+    # The thread must be out of the store's C++ code before the interpreter shuts down:
+    # a daemon thread unwound inside a C++ call aborts the process (SIGABRT at exit).
+    def _stop() -> None:
+        stop.set()
+        thread.join(timeout=2 * _POLL_S + _RESPONDER_TIMEOUT.total_seconds())
+
+    atexit.register(_stop)
 
 
-def _respond_forever(rank: int) -> None:
+def _respond_until(rank: int, stop: threading.Event) -> None:
     try:
-        store = _connect(_IDLE_WAIT)
+        store = _connect(_RESPONDER_TIMEOUT)
         if store is None:
             return
         prefix = _prefix()
         generation = 1
-        while True:
-            store.wait([f"{prefix}/request/{generation}"])  # blocks without holding the GIL
-            store.set(f"{prefix}/answer/{generation}/{rank}", store.get(f"{prefix}/request/{generation}"))
-            generation += 1
+        while not stop.wait(_POLL_S):
+            request = f"{prefix}/request/{generation}"
+            while store.check([request]) and not stop.is_set():
+                store.set(f"{prefix}/answer/{generation}/{rank}", store.get(request))
+                generation += 1
+                request = f"{prefix}/request/{generation}"
     except Exception:  # noqa: BLE001 - the store went away (job over, or its host died)
         return
 

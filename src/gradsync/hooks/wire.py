@@ -20,6 +20,8 @@ the latency of each collective are not counted. With one rank nothing is sent.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 
@@ -45,15 +47,26 @@ class WireStats:
 
     Hooks call ``add`` for every collective they issue and ``end_iteration`` once the
     last bucket of a backward has been launched (``bucket.is_last()``). Compare two runs'
-    ``mean_bytes_per_iteration()`` to get a compression ratio.
+    ``mean_bytes_per_iteration()`` to get a compression ratio. Only the last ``HISTORY``
+    iterations are kept one by one (a run of millions of steps must not grow memory);
+    the overall mean comes from running totals.
     """
 
-    __slots__ = ("world_size", "bytes_this_iteration", "bytes_per_iteration")
+    HISTORY = 10_000
+
+    __slots__ = ("world_size", "bytes_this_iteration", "_history", "total_bytes", "iterations")
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.bytes_this_iteration = 0
-        self.bytes_per_iteration: list[int] = []
+        self._history: deque[int] = deque(maxlen=self.HISTORY)
+        self.total_bytes = 0
+        self.iterations = 0
+
+    @property
+    def bytes_per_iteration(self) -> list[int]:
+        """Bytes of each of the last (up to ``HISTORY``) finished iterations."""
+        return list(self._history)
 
     def add(self, nbytes: int) -> None:
         self.bytes_this_iteration += nbytes
@@ -65,16 +78,20 @@ class WireStats:
         self.add(all_gather_bytes(tensor, self.world_size))
 
     def end_iteration(self) -> None:
-        self.bytes_per_iteration.append(self.bytes_this_iteration)
+        self._history.append(self.bytes_this_iteration)
+        self.total_bytes += self.bytes_this_iteration
+        self.iterations += 1
         self.bytes_this_iteration = 0
 
     def mean_bytes_per_iteration(self, last: int | None = None) -> float:
-        """Mean over the finished iterations (or the ``last`` ones); 0.0 before any."""
-        history = self.bytes_per_iteration if last is None else self.bytes_per_iteration[-last:]
+        """Mean over all finished iterations (or the ``last`` ones); 0.0 before any."""
+        if last is None:
+            return self.total_bytes / self.iterations if self.iterations else 0.0
+        history = list(self._history)[-last:]
         return sum(history) / len(history) if history else 0.0
 
     def __repr__(self) -> str:
         return (
-            f"WireStats(world_size={self.world_size}, iterations={len(self.bytes_per_iteration)}, "
+            f"WireStats(world_size={self.world_size}, iterations={self.iterations}, "
             f"mean_bytes_per_iteration={self.mean_bytes_per_iteration():.0f})"
         )
