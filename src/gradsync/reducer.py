@@ -292,7 +292,9 @@ class Reducer:
         flat = storage.flat
         if self.comm_hook is None:
             # Divide before summing so low-precision gradients cannot overflow.
-            flat.div_(self._take_divisor())
+            divisor = self._take_divisor()
+            if divisor != 1.0:  # a one-rank group averages over itself: skip a pass over memory
+                flat.div_(divisor)
             try:
                 work = dist.all_reduce(flat, group=self.process_group, async_op=True)
             except RuntimeError as error:  # a dead peer can fail the launch itself
