@@ -1,0 +1,234 @@
+"""What every benchmark script shares: interleaved timing, summaries, and the report header.
+
+[Note: how an iteration is timed]
+A contender is anything with a ``step(i)`` that runs one iteration. Contenders run in
+rounds, interleaved (A B C, then B C A, ...), so slow drift on the machine hits them all
+alike and none always runs right after the same neighbour. Each block of iterations
+starts after a barrier, and an iteration's time is the slowest rank's (one all-reduce
+MAX per block, outside the timed region): a step is done only when every rank is.
+
+[Note: a shared machine]
+On a small box other processes steal cores from the ranks. ``MachineLoad`` records the
+load average and the CPU time other processes used while we measured, so a report says
+how quiet the machine really was, not just how quiet it was when we started.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import gradsync
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------- timing
+@dataclass
+class Contender:
+    name: str
+    step: Callable[[int], None]  # one iteration; ``i`` picks the batch
+    rest: Callable[[], None] = field(default=lambda: None)  # after each block, untimed (frees .grad)
+
+
+def time_block(contender: Contender, count: int) -> list[float]:
+    """Seconds per iteration on this rank."""
+    times = []
+    for i in range(count):
+        start = time.perf_counter()
+        contender.step(i)
+        times.append(time.perf_counter() - start)
+    contender.rest()
+    return times
+
+
+def slowest_rank(times: list[float], group: dist.ProcessGroup | None = None) -> list[float]:
+    """Per iteration, the maximum over ranks (one collective per block, outside the timing)."""
+    tensor = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def interleave(
+    contenders: list[Contender],
+    rounds: int,
+    iters: int,
+    warmup: int,
+    after_warmup: Callable[[], None] | None = None,
+) -> dict[str, list[float]]:
+    """Warm every contender up, then time ``rounds`` blocks of ``iters`` iterations each."""
+    for contender in contenders:  # warm-up includes the DDPs' bucket rebuild after iteration 1
+        dist.barrier()
+        time_block(contender, warmup)
+    if after_warmup is not None:
+        after_warmup()
+    samples: dict[str, list[float]] = {c.name: [] for c in contenders}
+    for r in range(rounds):
+        for k in range(len(contenders)):
+            contender = contenders[(r + k) % len(contenders)]
+            dist.barrier()  # start each block together, so no rank's head start is timed
+            samples[contender.name] += slowest_rank(time_block(contender, iters))
+    return samples
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    after_backward: Callable[[], None] | None = None,
+) -> Callable[[int], None]:
+    """zero_grad, forward, loss, backward (, e.g. the naive all-reduce), optimizer step."""
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        optimizer.zero_grad(set_to_none=True)
+        loss(model(x), y).backward()  # both DDPs have waited for every all-reduce when this returns
+        if after_backward is not None:
+            after_backward()
+        optimizer.step()
+
+    return step
+
+
+# ---------------------------------------------------------------------- summaries
+@dataclass(frozen=True)
+class Summary:
+    median_ms: float
+    p90_ms: float
+    count: int
+
+
+def summarise(times: list[float]) -> Summary:
+    ms = [t * 1e3 for t in times]
+    p90 = statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else ms[0]
+    return Summary(statistics.median(ms), p90, len(ms))
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+# ---------------------------------------------------------------------- the machine
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds all processes on the machine spent busy since boot (from /proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class MachineLoad:
+    """Load average at the start, and the CPU other processes used while we measured.
+
+    Every rank calls ``start`` and ``stop`` (collectives); rank 0 reads the result.
+    ``other_cpu_s`` is the machine's busy CPU time minus what all ranks used themselves.
+    """
+
+    def start(self) -> None:
+        self.load_at_start = loadavg()
+        self._wall, self._busy, self._own = time.perf_counter(), _busy_cpu_s(), time.process_time()
+
+    def stop(self) -> None:
+        own = torch.tensor([time.process_time() - self._own], dtype=torch.float64)
+        dist.all_reduce(own)
+        self.wall_s = time.perf_counter() - self._wall
+        self.other_cpu_s = max(_busy_cpu_s() - self._busy - own.item(), 0.0)
+        self.load_at_end = loadavg()
+
+    def other_cores(self) -> float:
+        return self.other_cpu_s / self.wall_s
+
+    def describe(self) -> str:
+        return (
+            f"load average (1, 5, 15 min) {self.load_at_start} at the start, {self.load_at_end} at the end "
+            f"(our own ranks add ~{dist.get_world_size()}); other processes used {self.other_cpu_s:.0f} CPU-s "
+            f"during the {self.wall_s:.0f} s measured, i.e. {self.other_cpu_s / self.wall_s:.2f} cores on average"
+        )
+
+
+def wait_for_quiet(max_cores: float = 0.3, window_s: float = 5.0, max_wait_s: float = 600.0) -> float:
+    """Every rank: sleep until other processes use under ``max_cores`` cores; returns seconds waited.
+
+    All ranks sleep through each ``window_s`` window, so whatever CPU the machine spent in
+    it was other processes'. Gives up (and measures anyway) after ``max_wait_s``.
+    """
+    start = time.perf_counter()
+    while True:
+        dist.barrier()
+        busy = _busy_cpu_s()
+        time.sleep(window_s)
+        others = torch.tensor([(_busy_cpu_s() - busy) / window_s])
+        dist.broadcast(others, src=0)  # rank 0's reading decides for everyone
+        waited = time.perf_counter() - start
+        if others.item() < max_cores or waited > max_wait_s:
+            return waited
+        if dist.get_rank() == 0:
+            print(f"other processes use {others.item():.2f} cores; waiting for a quiet machine", flush=True)
+        time.sleep(20.0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- the report
+def revision() -> str:
+    """The commit the numbers belong to, with a fingerprint of uncommitted changes in src/."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        diff = subprocess.run(["git", "diff", "HEAD", "--", "src"], cwd=REPO, capture_output=True, text=True)
+        new = subprocess.run(
+            ["git", "ls-files", "--others", "--exclude-standard", "src"], cwd=REPO, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    if not diff.stdout.strip() and not new.stdout.strip():
+        return head.stdout.strip()
+    fingerprint = hashlib.sha1((diff.stdout + new.stdout).encode()).hexdigest()[:8]
+    untracked = f", untracked {new.stdout.split()}" if new.stdout.strip() else ""
+    return f"{head.stdout.strip()} + uncommitted changes in src/ (diff sha1 {fingerprint}{untracked})"
+
+
+def environment_lines(command: str) -> list[str]:
+    return [
+        f"Command: `{command}`",
+        "",
+        f"- torch {torch.__version__}, Python {platform.python_version()}, gradsync {gradsync.__version__} "
+        f"(commit {revision()})",
+        f"- world size {dist.get_world_size()}, backend {dist.get_backend()}, {os.cpu_count()} CPU cores on the "
+        f"machine, torch threads per rank {torch.get_num_threads()}",
+        f"- {platform.platform()}",
+    ]
+
+
+def report_path(kind: str, suffix: str = "md") -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    return RESULTS_DIR / f"{datetime.date.today().isoformat()}-{kind}.{suffix}"
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()

@@ -1,0 +1,61 @@
+"""The data-parallel setups a benchmark compares, built from one module by name.
+
+``build(name, module, cap)`` returns the model to train and what to call after
+``backward()`` (only the naive version needs that). Every contender wraps its own copy
+of the same initial weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync.naive import NaiveDataParallel
+
+Cap = Any  # MiB as a number, or "auto"
+
+DESCRIPTIONS = {
+    "gradsync": "gradsync DDP, default arguments (25 MiB buckets, 1 MiB first bucket)",
+    "gradsync_best": "gradsync DDP, gradient_as_bucket_view=True and the best bucket_cap_mb of the sweep",
+    "torch_ddp": "torch.nn.parallel.DistributedDataParallel, default arguments",
+    "torch_ddp_view": "torch DDP with gradient_as_bucket_view=True",
+    "no_comm": "the bare module: each rank trains alone (the floor)",
+    "naive": "gradsync.naive.NaiveDataParallel: one blocking all-reduce per parameter after backward",
+}
+CONTENDERS = tuple(DESCRIPTIONS)
+
+
+def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Callable[[], None] | None]:
+    """``(model, after_backward)`` for contender ``name``; ``cap`` is for ``gradsync_best``."""
+    if name == "gradsync":
+        return GradsyncDDP(module), None
+    if name == "gradsync_best" or name.startswith("gradsync_view_"):
+        return GradsyncDDP(module, gradient_as_bucket_view=True, bucket_cap_mb=cap), None
+    if name == "torch_ddp":
+        return nn.parallel.DistributedDataParallel(module), None
+    if name == "torch_ddp_view":
+        return nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=True), None
+    if name == "no_comm":
+        return module, None
+    if name == "naive":
+        naive = NaiveDataParallel(module)
+        return naive, naive.average_gradients
+    raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS}")
+
+
+def sweep_name(cap: Cap) -> str:
+    return f"gradsync_view_{cap}" if cap == "auto" else f"gradsync_view_{cap:g}MiB"
+
+
+def auto_cap_supported() -> bool:
+    """Whether this gradsync accepts ``bucket_cap_mb="auto"`` (every rank must call this)."""
+    try:
+        GradsyncDDP(nn.Linear(2, 2), bucket_cap_mb="auto")
+    except (TypeError, ValueError, NotImplementedError):
+        dist.barrier()
+        return False
+    return True
