@@ -40,6 +40,7 @@ class BucketSet:
                 self.bucket_of[i] = b
                 self.slot_of[i] = slot
         self.device = params[0].device
+        self._nbytes = sum(storage.nbytes for storage in self.storages)  # read every iteration
         self._backups: dict[int, torch.Tensor] = {}
 
     def rebuilt(self, order: Sequence[int], caps: list[int], as_view: bool) -> BucketSet:
@@ -56,7 +57,7 @@ class BucketSet:
     @property
     def nbytes(self) -> int:
         """Bytes of gradient one iteration reduces."""
-        return sum(storage.nbytes for storage in self.storages)
+        return self._nbytes
 
     def zeros_like_bucket(self, b: int) -> torch.Tensor:
         """What a rank without data contributes for bucket ``b``."""

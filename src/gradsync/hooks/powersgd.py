@@ -179,9 +179,11 @@ def _low_rank_round(
     for p in ps:
         _orthonormalise(p)
     for m, p, q in zip(matrices, ps, qs):
-        torch.matmul(m.t(), p, out=q)  # overwrites the Q the P came from: warm start keeps the new one
+        # Q = M^T P, computed as (P^T M)^T: reading M row-major is ~10x faster on CPU than
+        # through the transposed view. Overwrites the Q the P came from (warm start keeps it).
+        q.copy_(torch.mm(p.t(), m).t())
         if state.use_error_feedback:
-            m.sub_(p @ q.t())
+            m.addmm_(p, q.t(), alpha=-1)  # M - P Q^T in place, without a temporary
     state.wire.add_all_reduce(q_flat)
     fut = dist.all_reduce(q_flat, group=state.process_group, async_op=True).get_future()
     return ps, qs, fut
