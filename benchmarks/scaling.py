@@ -1,6 +1,6 @@
 """Scaling study: iteration time over world size and model size, against no communication.
 
-Run (about 5 minutes on a 2-core machine; wait until the machine is otherwise idle):
+Run (about 3 minutes on a 2-core machine; wait until the machine is otherwise idle):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scaling.py
 

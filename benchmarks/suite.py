@@ -1,6 +1,6 @@
 """The benchmark suite: gradsync against torch's DDP, no communication and the naive version.
 
-Run (about 10 minutes on a 2-core machine; wait until the machine is otherwise idle):
+Run (about 7 minutes on a quiet 2-core machine; it waits for other processes to idle):
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/suite.py
 
