@@ -45,6 +45,10 @@ class BucketSet:
 
     def rebuilt(self, order: Sequence[int], caps: list[int], as_view: bool) -> BucketSet:
         """A new assignment in ``order``; bucket-view gradients move into the new buckets."""
+        if not as_view or all(p.grad is None for p in self.params):
+            # Nothing aliases the old flat buffers: free them before allocating the new ones,
+            # so the rebuild does not hold two copies of every gradient at once.
+            self.storages = []
         new = BucketSet(self.params, self.sparse, order, caps)
         if as_view:
             for storage in new.storages:

@@ -422,6 +422,7 @@ class Reducer:
             order = comm.broadcast_int_list(local, src, self.process_group, self.buckets.device)
         except RuntimeError as error:
             raise RuntimeError(self.collective_failure_message(str(error))) from error
+        self._results = []  # the last iteration's work handles still reference the old buffers
         self.buckets = self.buckets.rebuilt(order, self.rebuild_caps, self.as_view)
         self._rebuild_pending = False
         self._ready_order = []
