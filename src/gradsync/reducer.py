@@ -310,13 +310,9 @@ class Reducer:
             self._results.append(None)
 
     def _launch_sparse(self, b: int) -> Any:
-        index = self.buckets.storages[b].param_indices[0]
-        param = self.params[index]
-        grad = param.grad
+        grad = self.buckets.storages[b].params[0].grad
         if grad is None:  # unused here: contribute an empty sparse gradient of the right shape
-            indices = torch.empty((1, 0), dtype=torch.int64, device=param.device)
-            values = param.new_empty((0, *param.shape[1:]))
-            grad = torch.sparse_coo_tensor(indices, values, param.shape)
+            grad = self.buckets.zeros_like_bucket(b)
         grad = grad.coalesce()
         if self.comm_hook is None:
             grad = grad / self._take_divisor()
