@@ -14,9 +14,12 @@ nothing and the hook starts that bucket afresh (losing one iteration's residual,
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..grad_bucket import GradBucket
+from .allreduce import allreduce_future, end_bucket
 
 
 def _owner(bucket: GradBucket) -> tuple[int, ...]:
@@ -51,3 +54,22 @@ class BucketMemory:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def start_with_error_feedback(
+    state: Any, bucket: GradBucket
+) -> tuple[torch.futures.Future | None, torch.Tensor, torch.Tensor | None]:
+    """The common start of hooks with error feedback (``state.errors``, ``.error_feedback``).
+
+    A sparse bucket is all-reduced unchanged: returns its future. Otherwise the held-back
+    error of this bucket (if any) is added to its buffer; returns ``(None, buffer, error)``.
+    """
+    buffer = bucket.buffer()
+    if buffer.is_sparse:
+        future = allreduce_future(buffer, state.process_group, state.world_size, state.wire)
+        end_bucket(state.wire, bucket)
+        return future, buffer, None
+    error = state.errors.lookup(bucket) if state.error_feedback else None
+    if error is not None:
+        buffer.add_(error)
+    return None, buffer, error

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..grad_bucket import GradBucket
-from .allreduce import allreduce_future, end_bucket
-from .memory import BucketMemory
+from .allreduce import end_bucket
+from .memory import BucketMemory, start_with_error_feedback
 from .wire import WireStats
 
 LEVELS = 127  # int8 range used symmetrically: -127..127, so 0 is exact and sign is symmetric
@@ -67,15 +67,10 @@ def int8_hook(state: Int8State, bucket: GradBucket) -> torch.futures.Future[torc
     latency-bound round trip per bucket) before it can quantise. Sparse buckets are
     all-reduced unchanged.
     """
-    buffer = bucket.buffer()
     group, world_size = state.process_group, state.world_size
-    if buffer.is_sparse:
-        fut = allreduce_future(buffer, group, world_size, state.wire)
-        end_bucket(state.wire, bucket)
-        return fut
-    error = state.errors.lookup(bucket) if state.error_feedback else None
-    if error is not None:
-        buffer.add_(error)
+    sparse_future, buffer, error = start_with_error_feedback(state, bucket)
+    if sparse_future is not None:
+        return sparse_future
     # The shared scale: issued and waited for here, not in a callback, so every rank issues
     # its collectives in bucket order (see powersgd.py's [Note: collective order]).
     scale = buffer.abs().amax().float().reshape(1)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..grad_bucket import GradBucket
-from .allreduce import allreduce_future, end_bucket
-from .memory import BucketMemory
+from .allreduce import end_bucket
+from .memory import BucketMemory, start_with_error_feedback
 from .wire import WireStats
 
 
@@ -74,15 +74,10 @@ def topk_hook(state: TopKState, bucket: GradBucket) -> torch.futures.Future[torc
     ratio 0.01, 50 times less. Selecting the top k costs a pass over the bucket (a sort
     on some devices). Sparse buckets are all-reduced unchanged.
     """
-    buffer = bucket.buffer()
     group, world_size = state.process_group, state.world_size
-    if buffer.is_sparse:
-        fut = allreduce_future(buffer, group, world_size, state.wire)
-        end_bucket(state.wire, bucket)
-        return fut
-    error = state.errors.lookup(bucket) if state.error_feedback else None
-    if error is not None:
-        buffer.add_(error)
+    sparse_future, buffer, error = start_with_error_feedback(state, bucket)
+    if sparse_future is not None:
+        return sparse_future
     n = buffer.numel()
     k = state.k_for(n)
     indices = buffer.abs().topk(k, sorted=False).indices
