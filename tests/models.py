@@ -76,6 +76,18 @@ class SparseEmbed(nn.Module):
         return self.fc(self.embed(ids).mean(dim=1))
 
 
+class Wide(nn.Module):
+    """A gradient above gradsync's fused copy-and-divide threshold (see grad_bucket.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 8192)  # 131072 weights
+        self.down = nn.Linear(8192, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
 class CheckpointedTwice(nn.Module):
     """The same layer checkpointed twice in one forward: its gradient arrives in two pieces."""
 
@@ -99,6 +111,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "unused_branch": UnusedBranch,
     "mixed_fp32_fp64": MixedPrecision,
     "sparse_embedding": SparseEmbed,
+    "wide": Wide,
 }
 
 

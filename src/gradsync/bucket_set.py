@@ -73,14 +73,36 @@ class BucketSet:
         return torch.sparse_coo_tensor(indices, param.new_empty((0, *param.shape[1:])), param.shape)
 
     # ------------------------------------------------------------------ copy in
-    def gather_grads(self, b: int, as_view: bool, unused: set[int], names: list[str]) -> None:
-        """Put the current ``.grad`` of bucket ``b``'s parameters into its flat buffer."""
+    def gather_grads(self, b: int, as_view: bool, unused: set[int], names: list[str], divisor: float = 1.0) -> None:
+        """Put the current ``.grad`` of bucket ``b``'s parameters, divided by ``divisor``, into its flat buffer.
+
+        [Note: one pass per gradient]
+        Copy and division are one ``torch.div(grad, divisor, out=view)`` per parameter where the
+        parameters are large: that reads and writes each gradient once instead of twice. For
+        many small parameters the per-call cost outweighs a second pass, so those are copied by
+        one ``_foreach_copy_`` and divided by one ``div_`` of the flat buffer.
+        """
         storage = self.storages[b]
         grads = [p.grad for p in storage.params]
-        # ``None in grads`` would compare tensors with ==; identity is what we mean.
-        if not as_view and not unused and all(g is not None for g in grads):
-            torch._foreach_copy_(storage.views, grads)
-            return
+        divide = divisor != 1.0  # a one-rank group averages over itself: no pass at all
+        # Fast paths, one call per bucket where possible. ``None in grads`` would compare
+        # tensors with ==; identity is what we mean.
+        if not unused and all(g is not None and not g.is_sparse for g in grads):
+            if not as_view:
+                _copy_in(storage, grads, divisor)
+                return
+            aliased = [g is v for g, v in zip(grads, storage.views)]
+            if all(aliased):  # .grad kept from the last step: autograd accumulated in place
+                if divide:
+                    storage.flat.div_(divisor)
+                return
+            if not any(aliased):
+                # Fresh tensors, e.g. after zero_grad(set_to_none=True): copy, then alias.
+                _copy_in(storage, grads, divisor)
+                for param, view in zip(storage.params, storage.views):
+                    param.grad = view
+                return
+        in_place: list[torch.Tensor] = []  # gradients already in the bucket, still to divide
         for i, param, view, grad in zip(storage.param_indices, storage.params, storage.views, grads):
             if grad is not None and grad.is_sparse:
                 raise RuntimeError(
@@ -91,13 +113,22 @@ class BucketSet:
                 if i in unused:
                     # Reduction overwrites this .grad; keep it in case no rank used the parameter.
                     self._backups[i] = grad.clone()
+                in_place.append(view)
                 continue
             if grad is None:
                 view.zero_()
                 continue
-            view.copy_(grad)
+            if divide:
+                torch.div(grad, divisor, out=view)
+            else:
+                view.copy_(grad)
             if as_view and i not in unused:
                 param.grad = view
+        if divide and in_place:
+            if len(in_place) == len(grads):
+                storage.flat.div_(divisor)
+            else:
+                torch._foreach_div_(in_place, divisor)
 
     # ------------------------------------------------------------------ copy out
     def write_back(
@@ -162,6 +193,17 @@ class BucketSet:
                 param.grad = view.clone()
             else:
                 grad.copy_(view)
+
+
+def _copy_in(storage: BucketStorage, grads: list[torch.Tensor], divisor: float) -> None:
+    """Copy dense gradients into the bucket divided by ``divisor`` ([Note: one pass per gradient])."""
+    if divisor != 1.0 and storage.fuse_division:
+        for view, grad in zip(storage.views, grads):
+            torch.div(grad, divisor, out=view)
+        return
+    torch._foreach_copy_(storage.views, grads)
+    if divisor != 1.0:
+        storage.flat.div_(divisor)
 
 
 def _wait(pending: Any) -> torch.Tensor | None:

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+FUSE_DIVISION_MIN_NUMEL = 1 << 15  # mean elements per gradient from which copy and division fuse
+
 
 def _is_non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
     """True when the strides are a permutation of a dense layout (e.g. channels_last)."""
@@ -47,7 +49,7 @@ def make_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Ten
 class BucketStorage:
     """One bucket's parameters, its flat buffer and per-parameter views into it."""
 
-    __slots__ = ("param_indices", "params", "flat", "views", "offsets", "sparse", "_data_ptr")
+    __slots__ = ("param_indices", "params", "flat", "views", "offsets", "sparse", "fuse_division", "_data_ptr")
 
     def __init__(self, param_indices: list[int], params: list[torch.Tensor], sparse: bool) -> None:
         self.param_indices = param_indices
@@ -66,6 +68,9 @@ class BucketStorage:
             self.flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
             self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
         self._data_ptr = self.flat.data_ptr()
+        # See [Note: one pass per gradient] in bucket_set.py. benchmarks/copy_in.py measured the
+        # crossover at ~16K elements per gradient (one call each costs a second pass over that many).
+        self.fuse_division = not sparse and total >= FUSE_DIVISION_MIN_NUMEL * len(params)
 
     def refresh_views_if_moved(self) -> bool:
         """Re-point the views when a hook's ``resize_`` gave the flat buffer new storage."""

@@ -285,16 +285,15 @@ class Reducer:
         future.add_done_callback(done)
 
     def _launch_dense(self, b: int, storage: Any) -> None:
+        # Without a hook we divide before summing, so low-precision gradients cannot overflow;
+        # a hook receives the undivided sum's inputs, as torch's hooks expect.
+        divisor = self._take_divisor() if self.comm_hook is None else 1.0
         try:
-            self.buckets.gather_grads(b, self.as_view, self._marked_unused, self.names)
+            self.buckets.gather_grads(b, self.as_view, self._marked_unused, self.names, divisor)
         except (RuntimeError, ValueError) as error:
             self._errors.append(f"{error} (rank {self.rank}, iteration {self.iteration})")
         flat = storage.flat
         if self.comm_hook is None:
-            # Divide before summing so low-precision gradients cannot overflow.
-            divisor = self._take_divisor()
-            if divisor != 1.0:  # a one-rank group averages over itself: skip a pass over memory
-                flat.div_(divisor)
             try:
                 work = dist.all_reduce(flat, group=self.process_group, async_op=True)
             except RuntimeError as error:  # a dead peer can fail the launch itself
