@@ -19,6 +19,7 @@ import datetime
 import hashlib
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -32,7 +33,9 @@ import torch.distributed as dist
 
 import gradsync
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# GRADSYNC_BENCH_RESULTS redirects scratch runs, so they do not overwrite a kept report.
+BOOTSTRAP_RESAMPLES = 2000
+RESULTS_DIR = Path(os.environ.get("GRADSYNC_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -116,6 +119,26 @@ def summarise(times: list[float]) -> Summary:
     ms = [t * 1e3 for t in times]
     p90 = statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else ms[0]
     return Summary(statistics.median(ms), p90, len(ms))
+
+
+def paired_ratio(samples: list[float], reference: list[float], iters: int) -> tuple[float, float, float]:
+    """Median over rounds of (this round's median / the reference's median in the same round), with a 90% CI.
+
+    Contenders run interleaved, so a round's two blocks saw the same machine state; the
+    per-round ratio cancels drift that the ratio of overall medians keeps. The interval is a
+    percentile bootstrap over rounds (fixed seed, so a report can be regenerated).
+    """
+    rounds = min(len(samples), len(reference)) // iters
+    per_round = [
+        statistics.median(samples[r * iters : (r + 1) * iters])
+        / statistics.median(reference[r * iters : (r + 1) * iters])
+        for r in range(rounds)
+    ]
+    rng = random.Random(0)
+    resamples = sorted(statistics.median(rng.choices(per_round, k=rounds)) for _ in range(BOOTSTRAP_RESAMPLES))
+    low = resamples[int(0.05 * BOOTSTRAP_RESAMPLES)]
+    high = resamples[int(0.95 * BOOTSTRAP_RESAMPLES) - 1]
+    return statistics.median(per_round), low, high
 
 
 def mib(nbytes: float) -> str:

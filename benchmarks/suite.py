@@ -45,6 +45,7 @@ from common import (
     environment_lines,
     interleave,
     mib,
+    paired_ratio,
     report_path,
     summarise,
     today,
@@ -64,6 +65,7 @@ class WorkloadResult:
     samples: dict[str, list[float]]
     sweep: dict[str, list[float]]
     best_cap: Cap
+    iters: int  # iterations per contender per round: samples[r*iters:(r+1)*iters] is round r
     gradsync_comm_s: dict[str, tuple[float, float]] = field(default_factory=dict)  # (comm, exposed) per iteration
     waited_s: float = 0.0  # for a quiet machine, before measuring
     other_cores: float = 0.0  # CPU other processes used while measuring, in cores
@@ -118,10 +120,11 @@ def measure(workload: Workload, caps: list[Cap], args: Any) -> WorkloadResult:
     if workload.name == "large_grad":
         runs.append(raw_allreduce(gradient_size(workload)[2]))
     before: dict[str, tuple[int, float, float]] = {}
+    iters = args.iters or workload.iters
     samples = interleave(
         runs,
         args.rounds or workload.rounds,
-        args.iters or workload.iters,
+        iters,
         args.warmup,
         after_warmup=lambda: before.update(gradsync_comm_totals(runs)),
     )
@@ -135,7 +138,7 @@ def measure(workload: Workload, caps: list[Cap], args: Any) -> WorkloadResult:
     # process group is gone (torch's DDP then sometimes aborts: "terminate called ...").
     runs.clear()
     gc.collect()
-    return WorkloadResult(samples, sweep_samples, best, comm)
+    return WorkloadResult(samples, sweep_samples, best, iters, comm)
 
 
 def measure_overhead(args: Any) -> overhead.Overhead:
@@ -160,9 +163,9 @@ def cap_text(cap: Cap) -> str:
 
 def results_table(results: dict[str, WorkloadResult], memory: dict[tuple[str, str], dict[str, float]]) -> list[str]:
     lines = [
-        "| workload | contender | median ms | p90 ms | median / torch_ddp | exposed comm ms | peak RSS MiB "
-        "| growth MiB, it. 1-5 (- no_comm's) | growth MiB, it. 6-8 (- no_comm's) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | contender | median ms | p90 ms | median / torch_ddp | per-round ratio [90% CI] "
+        "| exposed comm ms | peak RSS MiB | growth MiB, it. 1-5 (- no_comm's) | growth MiB, it. 6-8 (- no_comm's) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for workload, result in results.items():
         stats = {name: summarise(result.samples[name]) for name in CONTENDERS}
@@ -172,9 +175,10 @@ def results_table(results: dict[str, WorkloadResult], memory: dict[tuple[str, st
             label = f"{name} ({cap_text(result.best_cap)})" if name == "gradsync_best" else name
             exposed = f"{s.median_ms - floor:.2f}" if name != "no_comm" else "-"
             rss_cells = memory_cells(memory.get((workload, name)), floor_mem)
+            ratio, low, high = paired_ratio(result.samples[name], result.samples["torch_ddp"], result.iters)
             lines.append(
                 f"| {workload} | {label} | {s.median_ms:.2f} | {s.p90_ms:.2f} | {s.median_ms / reference:.2f} "
-                f"| {exposed} | {rss_cells} |"
+                f"| {ratio:.2f} [{low:.2f}, {high:.2f}] | {exposed} | {rss_cells} |"
             )
     return lines
 

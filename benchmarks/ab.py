@@ -1,0 +1,158 @@
+"""Before/after: this working tree's gradsync against a git revision's, interleaved in one run.
+
+Run (a few minutes; ``--before`` defaults to ``HEAD``):
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/ab.py \
+        --before HEAD --label fused-division --workloads large_grad transformer
+
+Each rank extracts ``src/gradsync`` of the ``--before`` revision (``git archive``) into a
+temporary directory as the package ``gradsync_before`` and imports it next to the working
+tree's ``gradsync``. Contenders, on the same weights and batches, interleaved in rounds
+(common.py's ``interleave``): ``after`` (working tree), ``before`` (the revision), torch's DDP
+with the same ``gradient_as_bucket_view`` and the bare module. The key number is the
+per-round ratio after/before with its bootstrap interval (common.py's ``paired_ratio``): both
+ran in the same rounds, so drift on the machine cancels. Rank 0 writes
+``benchmarks/results/YYYY-MM-DD-ab-LABEL.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib
+import io
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync import DistributedDataParallel as AfterDDP
+
+from common import (
+    REPO,
+    Contender,
+    environment_lines,
+    interleave,
+    paired_ratio,
+    report_path,
+    summarise,
+    train_step,
+)
+from workloads import WORKLOADS, Workload
+
+COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/ab.py"
+CONTENDERS = ("after", "before", "torch_ddp", "no_comm")
+BATCHES_PER_RANK = 4
+
+
+def import_revision(revision: str, into: Path) -> Any:
+    """``src/gradsync`` at ``revision``, importable as ``gradsync_before``."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", revision, "src/gradsync"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    (into / "src" / "gradsync").rename(into / "gradsync_before")
+    sys.path.insert(0, str(into))
+    return importlib.import_module("gradsync_before")
+
+
+def build(name: str, module: nn.Module, before: Any, as_view: bool) -> nn.Module:
+    if name == "after":
+        return AfterDDP(module, gradient_as_bucket_view=as_view)
+    if name == "before":
+        return before.DistributedDataParallel(module, gradient_as_bucket_view=as_view)
+    if name == "torch_ddp":
+        return nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=as_view)
+    return module
+
+
+def measure(workload: Workload, before: Any, args: argparse.Namespace) -> dict[str, list[float]]:
+    generator = torch.Generator().manual_seed(1000 + dist.get_rank())
+    batches = [workload.make_batch(generator) for _ in range(BATCHES_PER_RANK)]
+    torch.manual_seed(0)
+    base = workload.build()
+    runs = []
+    for name in CONTENDERS:
+        model = build(name, copy.deepcopy(base), before, args.as_view)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=workload.momentum)
+        contender = Contender(name, train_step(model, optimizer, workload.loss, batches))
+        contender.rest = lambda optimizer=optimizer: optimizer.zero_grad(set_to_none=True)
+        runs.append(contender)
+    samples = interleave(runs, args.rounds, args.iters or workload.iters, args.warmup)
+    runs.clear()
+    gc.collect()
+    return samples
+
+
+def report(results: dict[str, dict[str, list[float]]], iters: dict[str, int], args: argparse.Namespace) -> str:
+    lines = [
+        f"# A/B: gradsync working tree vs `{args.before}` ({args.label})",
+        "",
+        *environment_lines(" ".join([COMMAND, *sys.argv[1:]])),
+        f"- `--before {args.before}`: {revision_line(args.before)}",
+        f"- gradient_as_bucket_view={args.as_view}; {args.rounds} rounds, warm-up {args.warmup}; iteration as in "
+        "common.py (zero_grad(set_to_none=True), forward, loss, backward, SGD step), slowest rank",
+        "",
+        "| workload | contender | median ms | p90 ms | per-round ratio to `before` [90% CI] "
+        "| per-round ratio to torch_ddp [90% CI] |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for workload, samples in results.items():
+        for name in CONTENDERS:
+            s = summarise(samples[name])
+            cells = []
+            for reference in ("before", "torch_ddp"):
+                ratio, low, high = paired_ratio(samples[name], samples[reference], iters[workload])
+                cells.append(f"{ratio:.3f} [{low:.3f}, {high:.3f}]")
+            lines.append(f"| {workload} | {name} | {s.median_ms:.2f} | {s.p90_ms:.2f} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def revision_line(revision: str) -> str:
+    out = subprocess.run(
+        ["git", "-C", str(REPO), "log", "-1", "--format=%h %s", revision], capture_output=True, text=True
+    )
+    return out.stdout.strip() or "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", default="HEAD", help="git revision to compare against")
+    parser.add_argument("--label", default="change", help="report file suffix")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=None, help="iterations per block (default: the workload's)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--as-view", action="store_true", help="gradient_as_bucket_view=True for all DDPs")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    with tempfile.TemporaryDirectory() as tmp:
+        before = import_revision(args.before, Path(tmp))
+        results = {}
+        iters = {}
+        for name in args.workloads:
+            workload = WORKLOADS[name]
+            iters[name] = args.iters or workload.iters
+            results[name] = measure(workload, before, args)
+            if dist.get_rank() == 0:
+                print(f"{name}: done", flush=True)
+    if dist.get_rank() == 0:
+        path = report_path(f"ab-{args.label}")
+        path.write_text(report(results, iters, args))
+        print(f"report: {path}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
