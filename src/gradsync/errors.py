@@ -1,4 +1,4 @@
-"""Error messages the reducer raises: what went wrong, where (parameter, rank, iteration), the fix."""
+"""Messages the reducer raises or warns with: what went wrong, where (parameter, rank, iteration), the fix."""
 
 from __future__ import annotations
 
@@ -8,6 +8,14 @@ def unused_parameters(names: list[str], rank: int, iteration: int) -> str:
         f"Parameters {names} received no gradient on rank {rank} in iteration {iteration}. "
         "Pass find_unused_parameters=True to DistributedDataParallel if the forward pass does not "
         "use them all (or the loss does not depend on every output)."
+    )
+
+
+def nothing_unused(rank: int, iteration: int) -> str:
+    return (
+        f"find_unused_parameters=True but every parameter got a gradient in iteration {iteration} "
+        f"on rank {rank}. The search for unused parameters walks the autograd graph after every "
+        "forward; if no parameter is ever unused, pass find_unused_parameters=False to save that time."
     )
 
 

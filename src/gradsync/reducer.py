@@ -44,11 +44,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import comm, errors, graph
+from . import errors, graph
+from .agreement import agree_on_order, agree_on_used
 from .bucket_set import BucketSet
 from .debug import DesyncDetector, Position
 from .grad_bucket import GradBucket
 from .liveness import roll_call
+from .static_graph import StaticGraphCounts
 from .stats import IterationTimes, RunningStats, now
 
 logger = logging.getLogger(__name__)
@@ -103,8 +105,7 @@ class Reducer:
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
         self._used_since_sync = [False] * len(self.params)
         self._forward_unused: set[int] | None = None
-        self._static_expected: list[int] | None = None  # hook firings per parameter
-        self._static_unused: set[int] = set()
+        self._static = StaticGraphCounts(len(self.params))
         self._output_hook_handles: list[Any] = []
         self._callback_queued = False
         # Under join with divide_by_initial_world_size=False, the forward's "still active"
@@ -127,7 +128,7 @@ class Reducer:
     def _reset_iteration(self) -> None:
         n = len(self.params)
         self._ready = [False] * n
-        self._fired = [0] * n
+        self._static.reset()
         self._marked_unused: set[int] = set()
         self._pending = [len(b.params) for b in self.buckets.storages]
         self._next_bucket = 0
@@ -220,15 +221,16 @@ class Reducer:
 
     def _on_static_grad(self, index: int) -> None:
         """static_graph: count hook firings; a parameter is ready at its expected count."""
-        fired = self._fired
-        fired[index] += 1
-        if self._static_expected is None:
-            if fired[index] == 1 and self.iteration == 0:
+        counts = self._static
+        counts.fired[index] += 1
+        fired = counts.fired[index]
+        if counts.expected is None:
+            if fired == 1 and self.iteration == 0:
                 self._ready_order.append(index)
             return  # first static-graph iteration: everything is reduced at the end
-        if fired[index] == self._static_expected[index]:
+        if fired == counts.expected[index]:
             self._mark_ready(index)
-        elif fired[index] > self._static_expected[index]:
+        elif fired > counts.expected[index]:
             self._errors.append(self._static_graph_error(index))
 
     def _begin_reduction(self) -> None:
@@ -236,8 +238,8 @@ class Reducer:
         self.phase = "backward"
         self.times.backward_start = now()
         self._queue_finalize()
-        if self._static_expected is not None:
-            unused = self._static_unused
+        if not self._static.learning:
+            unused = self._static.unused
         else:
             unused = self._forward_unused or set()
         for index in sorted(unused):
@@ -332,14 +334,14 @@ class Reducer:
     def _finalize(self) -> None:
         self.times.finalize_start = now()
         self.phase = "the wait for gradient reductions at the end of backward"
-        first_static_iteration = self.static_graph and self._static_expected is None
+        first_static_iteration = self.static_graph and self._static.learning
         # Whether to agree on the used map must be the same on every rank, so it depends
         # on the synced iteration count, which joined ranks advance too.
         agree_used = self.find_unused or (self.static_graph and self.iteration == 0)
         missing = [i for i, ready in enumerate(self._ready) if not ready]
         if missing and not first_static_iteration:
-            if self._static_expected is not None:
-                self._errors.extend(self._static_graph_error(i) for i in missing if self._static_expected[i])
+            if self._static.expected is not None:
+                self._errors.extend(self._static_graph_error(i) for i in missing if self._static.expected[i])
             elif not self.find_unused:
                 self._errors.append(
                     errors.unused_parameters([self.names[i] for i in missing], self.rank, self.iteration)
@@ -349,15 +351,18 @@ class Reducer:
         for index in missing:
             self._marked_unused.add(index)
             self._mark_ready(index)
-        globally_used = self._agree_on_used() if agree_used else None
+        globally_used = None
+        if agree_used:
+            globally_used = agree_on_used(
+                self._used_since_sync, self.process_group, self.buckets.device, self.desync, self.synced_forwards
+            )
         self._errors.extend(
             self.buckets.write_back(
                 self._results, self.as_view, globally_used, self._marked_unused, self.hook_name, self.times
             )
         )
         if first_static_iteration:
-            self._static_expected = list(self._fired)
-            self._static_unused = {i for i, n in enumerate(self._fired) if n == 0}
+            self._static.learn()
             if globally_used is not None:
                 never = [self.names[i] for i, used in enumerate(globally_used) if not used]
                 if never:
@@ -386,35 +391,15 @@ class Reducer:
             self.timeline.add_iteration(self.iteration, times, [s.nbytes for s in self.buckets.storages])
         if self.find_unused and not unused and not self._warned_nothing_unused and not self.static_graph:
             self._warned_nothing_unused = True
-            warnings.warn(
-                f"find_unused_parameters=True but every parameter got a gradient in iteration {self.iteration} "
-                f"on rank {self.rank}. The search for unused parameters walks the autograd graph after every "
-                "forward; if no parameter is ever unused, pass find_unused_parameters=False to save that time.",
-                UserWarning,
-                stacklevel=2,
-            )
-
-    def _agree_on_used(self) -> list[bool]:
-        if self.desync is not None:
-            self.desync.check(
-                Position("all-reduce of the used-parameter map", self.synced_forwards, len(self.params), "torch.int32")
-            )
-        used = torch.tensor(self._used_since_sync, dtype=torch.int32, device=self.buckets.device)
-        dist.all_reduce(used, group=self.process_group)
-        return [bool(u) for u in used.tolist()]
+            warnings.warn(errors.nothing_unused(self.rank, self.iteration), UserWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ rebuild
     def _rebuild_from_observed_order(self) -> None:
         seen = set(self._ready_order)
         local = self._ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
-        src = dist.get_global_rank(self.process_group, 0)
-        if self.desync is not None:
-            self.desync.check(
-                Position("broadcast of the bucket order", self.synced_forwards, len(local), "torch.int64")
-            )
         self.phase = "the one-time bucket rebuild broadcast"
         try:
-            order = comm.broadcast_int_list(local, src, self.process_group, self.buckets.device)
+            order = agree_on_order(local, self.process_group, self.buckets.device, self.desync, self.synced_forwards)
         except RuntimeError as error:
             raise RuntimeError(self.collective_failure_message(str(error))) from error
         self._results = []  # the last iteration's work handles still reference the old buffers
@@ -430,8 +415,7 @@ class Reducer:
         return errors.gradient_in_pieces(self.names[index], self.rank, self.iteration)
 
     def _static_graph_error(self, index: int) -> str:
-        expected = self._static_expected[index] if self._static_expected else 0
-        return errors.static_graph_changed(self.names[index], self._fired[index], expected, self.rank, self.iteration)
+        return self._static.changed_error(self.names[index], index, self.rank, self.iteration)
 
     # ------------------------------------------------------------------ hooks
     @property

@@ -1,0 +1,34 @@
+"""The small collectives by which ranks agree: which parameters were used, and the bucket order.
+
+Both run outside the per-bucket hot path (the used map once per iteration with
+``find_unused_parameters=True``, the order once at the bucket rebuild) and, like every
+collective, are checked by the desync detector first when it is on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .debug import DesyncDetector, Position
+
+
+def agree_on_used(
+    used: list[bool], group: dist.ProcessGroup, device: torch.device, desync: DesyncDetector | None, forwards: int
+) -> list[bool]:
+    """A parameter counts as used when any rank used it since the last synced backward."""
+    if desync is not None:
+        desync.check(Position("all-reduce of the used-parameter map", forwards, len(used), "torch.int32"))
+    flags = torch.tensor(used, dtype=torch.int32, device=device)
+    dist.all_reduce(flags, group=group)
+    return [bool(u) for u in flags.tolist()]
+
+
+def agree_on_order(
+    local: list[int], group: dist.ProcessGroup, device: torch.device, desync: DesyncDetector | None, forwards: int
+) -> list[int]:
+    """The gradient-ready order rank 0 observed: every rank must build the same buckets."""
+    if desync is not None:
+        desync.check(Position("broadcast of the bucket order", forwards, len(local), "torch.int64"))
+    return comm.broadcast_int_list(local, dist.get_global_rank(group, 0), group, device)
