@@ -23,6 +23,7 @@ from .debug import DesyncDetector, DivergenceCheck, Position
 from .device import move_to_device
 from .grad_bucket import check_comm_hook
 from .join import DDPJoinHook, all_ranks_agree_to_sync, find_common_rank
+from .labels import label
 from .reducer import Reducer, ReducerState
 from .stats import DDPStats, collect_stats, now
 from .sync_batchnorm import SyncBatchNorm
@@ -169,7 +170,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function("gradsync::forward"):
+        with label("gradsync::forward"):
             forward_start = now()
             self.reducer.phase = "forward"
             grad_enabled = torch.is_grad_enabled()
@@ -224,7 +225,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _sync_buffers(self, candidate: bool) -> None:
         """Broadcast buffers from rank 0, or under join from the largest still-active rank."""
-        with torch.profiler.record_function("gradsync::sync_buffers"):
+        with label("gradsync::sync_buffers"):
             if self.reducer.desync is not None:
                 numel = sum(b.numel() for b in self._synced_buffers)
                 what = "buffer broadcast"

@@ -49,6 +49,7 @@ from .agreement import agree_on_order, agree_on_used
 from .bucket_set import BucketSet
 from .debug import DesyncDetector, Position
 from .grad_bucket import GradBucket
+from .labels import label
 from .liveness import roll_call
 from .static_graph import StaticGraphCounts
 from .stats import IterationTimes, RunningStats, now
@@ -264,7 +265,7 @@ class Reducer:
 
     # ------------------------------------------------------------------ reduction
     def _launch(self, b: int) -> None:
-        with torch.profiler.record_function("gradsync::reduce_bucket"):
+        with label("gradsync::reduce_bucket"):
             self.times.bucket_launch[b] = now()
             storage = self.buckets.storages[b]
             if self.desync is not None:
@@ -326,7 +327,7 @@ class Reducer:
         if self.state is not ReducerState.REDUCING:
             return  # this backward touched no parameter (e.g. autograd.grad on an input)
         try:
-            with torch.profiler.record_function("gradsync::finalize"):
+            with label("gradsync::finalize"):
                 self._finalize()
         finally:
             self.state = ReducerState.FINALIZED
@@ -338,7 +339,8 @@ class Reducer:
         # Whether to agree on the used map must be the same on every rank, so it depends
         # on the synced iteration count, which joined ranks advance too.
         agree_used = self.find_unused or (self.static_graph and self.iteration == 0)
-        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        ready = self._ready
+        missing = [i for i, r in enumerate(ready) if not r] if False in ready else []  # C-speed common case
         if missing and not first_static_iteration:
             if self._static.expected is not None:
                 self._errors.extend(self._static_graph_error(i) for i in missing if self._static.expected[i])

@@ -42,6 +42,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from .labels import label
+
 
 class SyncBatchNorm(_BatchNorm):
     """``BatchNorm`` over inputs ``(N, C, *)`` whose training statistics span every rank.
@@ -97,7 +99,7 @@ class SyncBatchNorm(_BatchNorm):
         if group is None:
             return super().forward(input)  # eval mode, or nobody to synchronise with
         factor = self._next_average_factor()
-        with torch.no_grad(), torch.profiler.record_function("gradsync::sync_batchnorm_stats"):
+        with torch.no_grad(), label("gradsync::sync_batchnorm_stats"):
             mean, var, count = _global_stats(input, group)
         if input.numel() // input.shape[1] <= 1 and count.item() <= 1:
             # Only ranks with at most one local value ask (no device sync otherwise); if the
@@ -251,7 +253,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # needs_input_grad is the same on every rank (same model), so all ranks agree on
         # whether this all-reduce happens.
         if ctx.needs_input_grad[0]:
-            with torch.profiler.record_function("gradsync::sync_batchnorm_backward"):
+            with label("gradsync::sync_batchnorm_backward"):
                 combined = torch.cat([sum_dy, sum_dy_xhat])
                 dist.all_reduce(combined, group=ctx.group)
             global_dy, global_dy_xhat = combined.div_(count.to(dtype)).chunk(2)
