@@ -99,3 +99,54 @@ def _compare_with_torch_ddp(name: str) -> None:
 @pytest.mark.parametrize("name", ["mlp", "cnn_bn", "unused_branch", "mixed_fp32_fp64", "sparse_embedding", "wide"])
 def test_gradients_match_torch_ddp(name: str) -> None:
     run_distributed(_compare_with_torch_ddp, 2, name)
+
+
+class _Switch(torch.nn.Module):
+    """``up`` (131K weights) is used unless told otherwise; ``side`` only then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(16, 8192)
+        self.down = torch.nn.Linear(8192, 4)
+        self.side = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, use_up: bool = True) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x))) if use_up else self.side(x)
+
+
+def _lone_large_gradient_in_place() -> None:
+    """A parameter above the bucket cap is reduced in its own .grad (bucket_set.py explains).
+
+    Checked from the outside: .grad stays the tensor autograd produced (torch's contract
+    without bucket views) and holds the average of the ranks' gradients. In the last step the
+    last rank does not use ``up`` (find_unused): it takes the copying path while the others
+    reduce in place, and all must still agree with the hand-computed average.
+    """
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model = _Switch()
+    reference = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=0.25, find_unused_parameters=True)  # up.weight is 512 KiB: alone
+    produced: dict[str, int] = {}
+    model.up.weight.register_post_accumulate_grad_hook(lambda p: produced.update(up=id(p.grad)))
+    for step in range(4):
+        x, y = global_batch("mlp", world, step)
+        uses_up = [step < 3 or r != world - 1 for r in range(world)]
+        model.zero_grad()
+        reference.zero_grad()
+        produced.clear()
+        loss_fn(ddp(shard(x, rank, world), use_up=uses_up[rank]), shard(y, rank, world)).backward()
+        shard_losses = [
+            loss_fn(reference(shard(x, r, world), use_up=uses_up[r]), shard(y, r, world)) for r in range(world)
+        ]
+        (sum(shard_losses) / world).backward()
+        assert_grads_close(grads_of(model), grads_of(reference))
+        if uses_up[rank]:
+            assert id(model.up.weight.grad) == produced["up"], "the reduced .grad must be autograd's own tensor"
+    gathered = all_gather_flat([model.up.weight.grad])
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_lone_large_gradient_is_reduced_in_its_own_grad(world_size: int) -> None:
+    run_distributed(_lone_large_gradient_in_place, world_size)

@@ -6,6 +6,16 @@ autograd accumulates straight into the flat bucket and no copy is needed. ``.gra
 may be replaced behind our back (``zero_grad(set_to_none=True)`` sets it to ``None``;
 autograd then creates a fresh tensor): ``gather_grads`` notices by identity, copies
 the fresh gradient in and points ``.grad`` back at the view.
+
+[Note: reducing a lone gradient in place]
+Without bucket views and without a comm hook, a bucket that holds a single dense
+parameter (``lone_oversized`` in buckets.py puts every parameter at least as large as
+its cap in one) is all-reduced directly in that parameter's ``.grad``: divided in place,
+summed in place, nothing copied in or out. What the user sees is what the copying path
+gives: the same ``.grad`` tensor, holding the average. The flat buffer of such a bucket
+is allocated but left untouched (so it costs no resident memory) and serves only the
+iterations where the gradient cannot be used directly: no gradient on this rank, a
+gradient that is sparse, non-contiguous or part of a graph (``create_graph=True``).
 """
 
 from __future__ import annotations
@@ -24,14 +34,28 @@ from .stats import IterationTimes, now
 class BucketSet:
     """The buckets of one assignment, and where each parameter lives in them."""
 
-    def __init__(self, params: list[torch.Tensor], sparse: list[bool], order: Sequence[int], caps: list[int]) -> None:
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        sparse: list[bool],
+        order: Sequence[int],
+        caps: list[int],
+        reduce_lone_in_place: bool = False,
+    ) -> None:
         self.params = params
         self.sparse = sparse
         self.caps = caps
+        self.reduce_lone_in_place = reduce_lone_in_place
         infos = [ParamInfo(p.numel() * p.element_size(), (p.device, p.dtype), s) for p, s in zip(params, sparse)]
-        self.assignment = assign_buckets(infos, order, caps)
+        self.assignment = assign_buckets(infos, order, caps, lone_oversized=reduce_lone_in_place)
         self.storages = [
-            BucketStorage(indices, [params[i] for i in indices], sparse[indices[0]]) for indices in self.assignment
+            BucketStorage(
+                indices,
+                [params[i] for i in indices],
+                sparse[indices[0]],
+                untouched=reduce_lone_in_place and len(indices) == 1,
+            )
+            for indices in self.assignment
         ]
         self.bucket_of = [0] * len(params)
         self.slot_of = [0] * len(params)
@@ -42,14 +66,15 @@ class BucketSet:
         self.device = params[0].device
         self._nbytes = sum(storage.nbytes for storage in self.storages)  # read every iteration
         self._backups: dict[int, torch.Tensor] = {}
+        self._in_place: set[int] = set()  # buckets reduced in their parameter's .grad this iteration
 
-    def rebuilt(self, order: Sequence[int], caps: list[int], as_view: bool) -> BucketSet:
+    def rebuilt(self, order: Sequence[int], caps: list[int], as_view: bool, reduce_lone_in_place: bool) -> BucketSet:
         """A new assignment in ``order``; bucket-view gradients move into the new buckets."""
         if not as_view or all(p.grad is None for p in self.params):
             # Nothing aliases the old flat buffers: free them before allocating the new ones,
             # so the rebuild does not hold two copies of every gradient at once.
             self.storages = []
-        new = BucketSet(self.params, self.sparse, order, caps)
+        new = BucketSet(self.params, self.sparse, order, caps, reduce_lone_in_place)
         if as_view:
             for storage in new.storages:
                 for param, view in zip(storage.params, storage.views):
@@ -72,7 +97,28 @@ class BucketSet:
         indices = torch.empty((1, 0), dtype=torch.int64, device=param.device)
         return torch.sparse_coo_tensor(indices, param.new_empty((0, *param.shape[1:])), param.shape)
 
+    def begin_iteration(self) -> None:
+        self._in_place.clear()
+        self._backups.clear()
+
     # ------------------------------------------------------------------ copy in
+    def in_place_target(self, b: int, unused: set[int]) -> torch.Tensor | None:
+        """The ``.grad`` to reduce bucket ``b`` in, if it can be ([Note: reducing a lone gradient in place])."""
+        storage = self.storages[b]
+        if not storage.untouched:
+            return None
+        grad = storage.params[0].grad
+        if (
+            grad is None
+            or storage.param_indices[0] in unused
+            or grad.is_sparse
+            or grad.requires_grad
+            or not grad.is_contiguous()
+        ):
+            return None
+        self._in_place.add(b)
+        return grad
+
     def gather_grads(self, b: int, as_view: bool, unused: set[int], names: list[str], divisor: float = 1.0) -> None:
         """Put the current ``.grad`` of bucket ``b``'s parameters, divided by ``divisor``, into its flat buffer.
 
@@ -155,6 +201,8 @@ class BucketSet:
                 what = f"comm hook {hook_name}" if hook_name else "all-reduce"
                 errors.append(f"{what} failed on bucket {b}: {error}")
                 continue
+            if b in self._in_place:
+                continue  # the average is already in .grad
             if storage.sparse:
                 index = storage.param_indices[0]
                 if globally_used is None or globally_used[index]:
@@ -169,7 +217,7 @@ class BucketSet:
                 storage.flat.copy_(result.view(-1))
             self._copy_out(storage, as_view, globally_used, unused)
         times.reductions_done = max(times.bucket_done, default=0.0) or now()
-        self._backups.clear()
+        self.begin_iteration()
         return errors
 
     def _copy_out(self, storage: BucketStorage, as_view: bool, used: list[bool] | None, unused: set[int]) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import comm, liveness, options, watch
+from . import comm, liveness, options, synced, watch
 from .autotune import auto_bucket_caps
 from .debug import DesyncDetector, DivergenceCheck, Position
 from .device import move_to_device
@@ -29,8 +29,6 @@ from .stats import DDPStats, collect_stats, now
 from .sync_batchnorm import SyncBatchNorm
 
 logger = logging.getLogger(__name__)
-
-_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -75,7 +73,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self.process_group = options.resolve_process_group(process_group, device_mesh)
         self.module = module
-        named_params = self._collect_parameters(module)
+        named_params = synced.parameters(module)
         options.check_parameters(module, named_params)
         self.device = options.resolve_device(device_ids, output_device, named_params)
         self.device_ids = None if self.device is None else [self.device.index]
@@ -96,7 +94,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self._synced_buffers = self._collect_buffers(module)
+        self._synced_buffers = synced.buffers(module)
         # Modules that communicate inside forward cannot be shadowed by joined ranks.
         self._forward_collectives = [n for n, m in module.named_modules() if isinstance(m, SyncBatchNorm)]
         self._trainable = [p for _, p in module.named_parameters()]
@@ -106,7 +104,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             comm.verify_same_parameters(named_params, self.process_group)
             self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
         self._reducer_config = {
-            "sparse": self._sparse_flags(module, named_params),
+            "sparse": synced.sparse_flags(module, named_params),
             "caps": caps,
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
@@ -124,40 +122,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         config = dict(self._reducer_config)
         return Reducer(self._named_params, config.pop("sparse"), self.process_group, config.pop("caps"), **config)
 
-    # ------------------------------------------------------------------ construction helpers
-    @staticmethod
-    def _collect_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """Trainable, not ignored, each shared parameter once, in registration order."""
-        ignored = set(getattr(module, _IGNORE_ATTR, ()))
-        seen: set[int] = set()
-        named = []
-        for module_name, sub in module.named_modules():
-            for param_name, param in sub.named_parameters(recurse=False):
-                fqn = f"{module_name}.{param_name}" if module_name else param_name
-                if not param.requires_grad or fqn in ignored or id(param) in seen:
-                    continue
-                seen.add(id(param))
-                named.append((fqn, param))
-        return named
-
-    @staticmethod
-    def _collect_buffers(module: nn.Module) -> list[torch.Tensor]:
-        ignored = set(getattr(module, _IGNORE_ATTR, ()))
-        return [b for name, b in module.named_buffers() if name not in ignored]
-
-    @staticmethod
-    def _sparse_flags(module: nn.Module, named_params: list[tuple[str, nn.Parameter]]) -> list[bool]:
-        sparse_ids = {
-            id(sub.weight)
-            for sub in module.modules()
-            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
-        }
-        return [id(p) in sparse_ids for _, p in named_params]
-
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
         """Exclude the named parameters and buffers from reduction and broadcast (as torch)."""
-        setattr(module, _IGNORE_ATTR, list(params_and_buffers_to_ignore))
+        synced.ignore(module, params_and_buffers_to_ignore)
 
     def _authoritative_rank(self) -> int:
         return dist.get_global_rank(self.process_group, 0)

@@ -49,9 +49,22 @@ def make_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Ten
 class BucketStorage:
     """One bucket's parameters, its flat buffer and per-parameter views into it."""
 
-    __slots__ = ("param_indices", "params", "flat", "views", "offsets", "sparse", "fuse_division", "_data_ptr")
+    __slots__ = (
+        "param_indices",
+        "params",
+        "flat",
+        "views",
+        "offsets",
+        "sparse",
+        "fuse_division",
+        "untouched",
+        "_data_ptr",
+    )
 
-    def __init__(self, param_indices: list[int], params: list[torch.Tensor], sparse: bool) -> None:
+    def __init__(self, param_indices: list[int], params: list[torch.Tensor], sparse: bool, untouched: bool = False):
+        """``untouched``: the bucket is normally reduced in its one parameter's ``.grad``, so the flat
+        buffer is allocated uninitialised and costs no resident memory until a fallback writes it
+        (every path writes the whole buffer before reading it)."""
         self.param_indices = param_indices
         self.params = params
         self.sparse = sparse
@@ -65,9 +78,11 @@ class BucketStorage:
             self.flat = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
             self.views: list[torch.Tensor] = []
         else:
-            self.flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+            allocate = torch.empty if untouched else torch.zeros
+            self.flat = allocate(total, dtype=params[0].dtype, device=params[0].device)
             self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
         self._data_ptr = self.flat.data_ptr()
+        self.untouched = untouched and not sparse and len(params) == 1
         # See [Note: one pass per gradient] in bucket_set.py. benchmarks/copy_in.py measured the
         # crossover at ~16K elements per gradient (one call each costs a second pass over that many).
         self.fuse_division = not sparse and total >= FUSE_DIVISION_MIN_NUMEL * len(params)

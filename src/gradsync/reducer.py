@@ -93,7 +93,11 @@ class Reducer:
         self.rebuild_caps = rebuild_caps or caps
         self.sparse = sparse
         # Initial order: reverse registration, since later layers get gradients first.
-        self.buckets = BucketSet(self.params, sparse, list(reversed(range(len(self.params)))), caps)
+        # Reducing lone large gradients in place needs a .grad separate from the bucket and no
+        # hook; hooks are registered later, so the rebuild decides again.
+        self.buckets = BucketSet(
+            self.params, sparse, list(reversed(range(len(self.params)))), caps, reduce_lone_in_place=not self.as_view
+        )
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
         self.state = ReducerState.IDLE
@@ -137,6 +141,7 @@ class Reducer:
         self._errors: list[str] = []
         self._divisor = float(self.world_size)
         self.times = IterationTimes(len(self.buckets.storages))
+        self.buckets.begin_iteration()
 
     def prepare_for_forward(self) -> None:
         """Called before every grad-enabled forward: check the last backward, rebuild once."""
@@ -291,14 +296,20 @@ class Reducer:
         # Without a hook we divide before summing, so low-precision gradients cannot overflow;
         # a hook receives the undivided sum's inputs, as torch's hooks expect.
         divisor = self._take_divisor() if self.comm_hook is None else 1.0
-        try:
-            self.buckets.gather_grads(b, self.as_view, self._marked_unused, self.names, divisor)
-        except (RuntimeError, ValueError) as error:
-            self._errors.append(f"{error} (rank {self.rank}, iteration {self.iteration})")
+        target = self.buckets.in_place_target(b, self._marked_unused) if self.comm_hook is None else None
+        if target is not None:
+            if divisor != 1.0:
+                target.div_(divisor)
+        else:
+            try:
+                self.buckets.gather_grads(b, self.as_view, self._marked_unused, self.names, divisor)
+            except (RuntimeError, ValueError) as error:
+                self._errors.append(f"{error} (rank {self.rank}, iteration {self.iteration})")
+            target = storage.flat
         flat = storage.flat
         if self.comm_hook is None:
             try:
-                work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+                work = dist.all_reduce(target, group=self.process_group, async_op=True)
             except RuntimeError as error:  # a dead peer can fail the launch itself
                 self._errors.append(f"all-reduce failed on bucket {b}: {error}")
                 work = None
@@ -405,7 +416,8 @@ class Reducer:
         except RuntimeError as error:
             raise RuntimeError(self.collective_failure_message(str(error))) from error
         self._results = []  # the last iteration's work handles still reference the old buffers
-        self.buckets = self.buckets.rebuilt(order, self.rebuild_caps, self.as_view)
+        in_place = not self.as_view and self.comm_hook is None
+        self.buckets = self.buckets.rebuilt(order, self.rebuild_caps, self.as_view, in_place)
         self._rebuild_pending = False
         self._ready_order = []
         self.rebuilt = True
