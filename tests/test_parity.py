@@ -150,3 +150,25 @@ def _lone_large_gradient_in_place() -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_lone_large_gradient_is_reduced_in_its_own_grad(world_size: int) -> None:
     run_distributed(_lone_large_gradient_in_place, world_size)
+
+
+def _accumulate_across_rebuild() -> int:
+    """No zero_grad between steps: .grad carries over the bucket rebuild (in every bucket kind)."""
+    rank, world = rank_world()
+    checked = 0
+    for cap in (0.0001, 0.25, None):  # everything alone, the big weight alone, default caps
+        for as_view in (False, True):
+            model = make_model("wide")
+            reference = copy.deepcopy(model)
+            ddp = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=as_view)
+            for step in range(3):  # the rebuild happens before step 1's forward, with .grad set
+                x, y = global_batch("wide", world, step)
+                loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+                reference_step(reference, x, y, world)
+                assert_grads_close(grads_of(model), grads_of(reference))
+                checked += 1
+    return checked
+
+
+def test_gradients_accumulate_across_the_bucket_rebuild() -> None:
+    assert run_distributed(_accumulate_across_rebuild, 2) == [18, 18]

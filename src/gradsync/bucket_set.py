@@ -8,11 +8,14 @@ autograd then creates a fresh tensor): ``gather_grads`` notices by identity, cop
 the fresh gradient in and points ``.grad`` back at the view.
 
 [Note: reducing a lone gradient in place]
-Without bucket views and without a comm hook, a bucket that holds a single dense
-parameter (``lone_oversized`` in buckets.py puts every parameter at least as large as
-its cap in one) is all-reduced directly in that parameter's ``.grad``: divided in place,
-summed in place, nothing copied in or out. What the user sees is what the copying path
-gives: the same ``.grad`` tensor, holding the average. The flat buffer of such a bucket
+Without a comm hook, a bucket that holds a single dense parameter (``lone_oversized`` in
+buckets.py puts every parameter at least as large as its cap in one) is all-reduced
+directly in that parameter's ``.grad``: divided in place, summed in place, nothing copied
+in or out. Without bucket views the user sees what the copying path gives: the same
+``.grad`` tensor, holding the average. With bucket views, ``.grad`` is then the tensor the
+all-reduce ran in rather than a view of a separate buffer; for a one-parameter bucket
+that is the same thing (the gradient *is* the bucket), and it is what bucket views are for:
+no copy and no second copy of the gradient in memory. The flat buffer of such a bucket
 is allocated but left untouched (so it costs no resident memory) and serves only the
 iterations where the gradient cannot be used directly: no gradient on this rank, a
 gradient that is sparse, non-contiguous or part of a graph (``create_graph=True``).
@@ -77,6 +80,8 @@ class BucketSet:
         new = BucketSet(self.params, self.sparse, order, caps, reduce_lone_in_place)
         if as_view:
             for storage in new.storages:
+                if storage.untouched:
+                    continue  # its .grad is reduced where it is; the new buffer stays untouched
                 for param, view in zip(storage.params, storage.views):
                     if param.grad is not None:
                         view.copy_(param.grad)

@@ -93,10 +93,10 @@ class Reducer:
         self.rebuild_caps = rebuild_caps or caps
         self.sparse = sparse
         # Initial order: reverse registration, since later layers get gradients first.
-        # Reducing lone large gradients in place needs a .grad separate from the bucket and no
-        # hook; hooks are registered later, so the rebuild decides again.
+        # Reducing lone large gradients in place needs no hook; hooks are registered after
+        # construction, so the rebuild decides again.
         self.buckets = BucketSet(
-            self.params, sparse, list(reversed(range(len(self.params)))), caps, reduce_lone_in_place=not self.as_view
+            self.params, sparse, list(reversed(range(len(self.params)))), caps, reduce_lone_in_place=True
         )
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
@@ -416,7 +416,7 @@ class Reducer:
         except RuntimeError as error:
             raise RuntimeError(self.collective_failure_message(str(error))) from error
         self._results = []  # the last iteration's work handles still reference the old buffers
-        in_place = not self.as_view and self.comm_hook is None
+        in_place = self.comm_hook is None
         self.buckets = self.buckets.rebuilt(order, self.rebuild_caps, self.as_view, in_place)
         self._rebuild_pending = False
         self._ready_order = []
