@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import cProfile
 import functools
+import gc
 import pstats
 import time
 from collections import defaultdict
@@ -133,7 +134,10 @@ class Overhead:
 def measure(
     build: Callable[[], torch.nn.Module], step_for: Callable[[torch.nn.Module], Callable[[int], None]], iters: int
 ) -> Overhead:
-    """Time gradsync's sections over ``iters`` iterations, then profile as many more."""
+    """Training-thread CPU of both DDPs first (on a clean process), then gradsync's sections, then cProfile."""
+    gc.collect()
+    cpu_s = main_thread_cpu(build, step_for, iters)
+    gc.collect()
     timer = SectionTimer()
     with patched(timer):
         ddp = GradsyncDDP(build())  # built while patched: the reducer's hooks bind the wrappers
@@ -156,8 +160,6 @@ def measure(
     for i in range(3):
         step(i)
     profile_rows = _profile(step, iters)
-    del fresh, step
-    cpu_s = main_thread_cpu(build, step_for, max(iters // 5, 1))
     return Overhead(
         params=params,
         iterations=iters,
