@@ -31,9 +31,9 @@ def _train(ddp: DDP, steps: int, name: str = "mlp", **kwargs: object) -> None:
 
 
 def _trace(directory: str) -> None:
-    # A cap of 1000 bytes; a hidden layer is 1024 + 64 bytes, the head 256 + 16. In ready
-    # order the head (272) does not fill a bucket, head + last layer (1360) does, and every
-    # other layer (1088) fills one: 4 buckets per iteration.
+    # A cap of 1000 bytes; a hidden layer is 1024 + 64 bytes, the head 256 + 16. Each hidden
+    # weight (1024) is above the cap and travels alone (buckets.py, lone_oversized); the head and
+    # the four biases (528) share one bucket: 5 buckets per iteration.
     ddp = DDP(MLP(), bucket_cap_mb=1000 / 2**20)
     _train(ddp, 1)
     with gradsync.trace(ddp, os.path.join(directory, "trace.json"), png=os.path.join(directory, "overlap.png")):
@@ -53,14 +53,14 @@ def test_trace_writes_merged_perfetto_json_and_png() -> None:
     assert processes == {"rank 0", "rank 1"}
     for rank in (0, 1):
         threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name" and e["pid"] == rank}
-        assert set(threads.values()) == {"step"} | {f"bucket {b}" for b in range(4)}
+        assert set(threads.values()) == {"step"} | {f"bucket {b}" for b in range(5)}
         spans = [e for e in events if e["ph"] == "X" and e["pid"] == rank]
         for iteration in (1, 2, 3):
             mine = [e for e in spans if e["args"]["iteration"] == iteration]
             phase = {e["name"]: e for e in mine if threads[e["tid"]] == "step"}
             assert phase["forward"]["ts"] + phase["forward"]["dur"] <= phase["backward_compute"]["ts"]
             reduces = sorted((e for e in mine if e["name"] == "all_reduce"), key=lambda e: threads[e["tid"]])
-            assert len(reduces) == 4
+            assert len(reduces) == 5
             starts = [e["ts"] for e in reduces]
             assert starts == sorted(starts), "buckets must launch in index order"
             assert sum(e["args"]["bytes"] for e in reduces) == MLP_PARAM_BYTES
