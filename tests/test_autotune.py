@@ -23,6 +23,9 @@ def test_choose_cap_balances_latency_against_transfer_time() -> None:
     assert choose_cap(1e-9, 1e9, total_bytes=100 * MIB) == MIN_CAP
     # at least four buckets for a model that is big enough
     assert choose_cap(50e-6, 1e9, total_bytes=1_600_000) == 400_000
+    # where communication does not hide behind compute, small buckets only add collectives
+    assert choose_cap(50e-6, 1e9, total_bytes=1_600_000, overlap=0.2) == 25 * MIB
+    assert choose_cap(50e-6, 1e9, total_bytes=1_600_000, overlap=0.9) == 400_000
 
 
 def _auto() -> list[int]:
