@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,7 +265,8 @@ def write_chart(results: dict[str, WorkloadResult], path: Path) -> None:
 
 
 def write_report(results: dict[str, WorkloadResult], memory: Any, over: Any, load: MachineLoad, args: Any) -> Path:
-    lines = [f"# Benchmark suite: gradsync vs torch DDP ({today()})", "", *environment_lines(COMMAND)]
+    command = " ".join([COMMAND, *sys.argv[1:]])  # the exact invocation, options included
+    lines = [f"# Benchmark suite: gradsync vs torch DDP ({today()})", "", *environment_lines(command)]
     lines += [
         f"- machine load over all workloads: {load.describe()}; before each workload the suite waits until "
         "other processes use under 0.3 cores (5 s windows, at most 10 min), see the workload list",
