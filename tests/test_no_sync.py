@@ -12,11 +12,11 @@ from harness import run_distributed
 from models import assert_grads_close, global_batch, grads_of, loss_fn, make_model, rank_world, reference_step, shard
 
 
-def _accumulate(micro_batches: int, as_view: bool) -> None:
+def _accumulate(micro_batches: int, as_view: bool, cap: float) -> None:
     rank, world = rank_world()
     model = make_model("mlp")
     reference = copy.deepcopy(model)
-    ddp = DDP(model, gradient_as_bucket_view=as_view, bucket_cap_mb=0.001)
+    ddp = DDP(model, gradient_as_bucket_view=as_view, bucket_cap_mb=cap)
     for step in range(2):  # the second round runs on rebuilt buckets and reused .grad
         model.zero_grad()
         reference.zero_grad()
@@ -33,8 +33,9 @@ def _accumulate(micro_batches: int, as_view: bool) -> None:
 
 
 @pytest.mark.parametrize("as_view", [False, True])
-def test_no_sync_accumulation_equals_synced_result(as_view: bool) -> None:
-    run_distributed(_accumulate, 2, 3, as_view)
+@pytest.mark.parametrize("cap", [0.001, 0.0001])  # shared buckets; every weight alone, reduced in its .grad
+def test_no_sync_accumulation_equals_synced_result(as_view: bool, cap: float) -> None:
+    run_distributed(_accumulate, 2, 3, as_view, cap)
 
 
 def _local_inside_no_sync() -> None:
