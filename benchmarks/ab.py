@@ -81,16 +81,35 @@ def measure(workload: Workload, before: Any, args: argparse.Namespace) -> dict[s
     batches = [workload.make_batch(generator) for _ in range(BATCHES_PER_RANK)]
     torch.manual_seed(0)
     base = workload.build()
-    runs = []
-    for name in CONTENDERS:
-        model = build(name, copy.deepcopy(base), before, args.as_view)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=workload.momentum)
-        contender = Contender(name, train_step(model, optimizer, workload.loss, batches))
-        contender.rest = lambda optimizer=optimizer: optimizer.zero_grad(set_to_none=True)
-        runs.append(contender)
-    samples = interleave(runs, args.rounds, args.iters or workload.iters, args.warmup)
-    runs.clear()
-    gc.collect()
+    iters = args.iters or workload.iters
+
+    def build_runs(names: list[str]) -> list[Contender]:
+        runs = []
+        for name in names:
+            model = build(name, copy.deepcopy(base), before, args.as_view)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=workload.momentum)
+            contender = Contender(name, train_step(model, optimizer, workload.loss, batches))
+            contender.rest = lambda optimizer=optimizer: optimizer.zero_grad(set_to_none=True)
+            runs.append(contender)
+        return runs
+
+    if not args.fresh_per_round:
+        runs = build_runs(list(CONTENDERS))
+        samples = interleave(runs, args.rounds, iters, args.warmup)
+        runs.clear()
+        gc.collect()
+        return samples
+    # [Note: fresh contenders per round] Where each model and its buffers land in memory can
+    # favour one contender for a whole run; rebuilding all of them every round, in rotating
+    # order, turns that luck into round-to-round noise that the per-round ratios average out.
+    samples = {name: [] for name in CONTENDERS}
+    for r in range(args.rounds):
+        names = list(CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)])
+        runs = build_runs(names)
+        for name, times in interleave(runs, 1, iters, args.warmup).items():
+            samples[name] += times
+        runs.clear()
+        gc.collect()
     return samples
 
 
@@ -100,7 +119,8 @@ def report(results: dict[str, dict[str, list[float]]], iters: dict[str, int], ar
         "",
         *environment_lines(" ".join([COMMAND, *sys.argv[1:]])),
         f"- `--before {args.before}`: {revision_line(args.before)}",
-        f"- gradient_as_bucket_view={args.as_view}; {args.rounds} rounds, warm-up {args.warmup}; iteration as in "
+        f"- gradient_as_bucket_view={args.as_view}; {args.rounds} rounds, warm-up {args.warmup}"
+        f"{', contenders rebuilt every round' if args.fresh_per_round else ''}; iteration as in "
         "common.py (zero_grad(set_to_none=True), forward, loss, backward, SGD step), slowest rank",
         "",
         "| workload | contender | median ms | p90 ms | per-round ratio to `before` [90% CI] "
@@ -134,6 +154,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=None, help="iterations per block (default: the workload's)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--as-view", action="store_true", help="gradient_as_bucket_view=True for all DDPs")
+    parser.add_argument(
+        "--fresh-per-round",
+        action="store_true",
+        help="rebuild every contender each round ([Note: fresh contenders per round])",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
