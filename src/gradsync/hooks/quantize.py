@@ -91,7 +91,12 @@ def int8_hook(state: Int8State, bucket: GradBucket) -> torch.futures.Future[torc
 
     def dequantise(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # re-raises a failed all-gather
-        total = torch.stack(gathered).to(torch.int32).sum(dim=0)
+        # Summed in place into one int32 tensor: no world-size-times-bucket stack (300 vs 70 ms
+        # for a 16.8M-element bucket at two ranks, 2026-11-30-hooks.md); integer sums are exact,
+        # so the order does not change a bit.
+        total = gathered[0].to(torch.int32)
+        for part in gathered[1:]:
+            total.add_(part)
         torch.mul(total.to(buffer.dtype), step / world_size, out=buffer)
         return buffer
 
