@@ -37,6 +37,7 @@ from gradsync.hooks import (
     topk_hook,
 )
 from gradsync.hooks.powersgd import _matrix_shape, _orthonormalise, _square_ish
+from gradsync.hooks.topk import largest_indices
 from gradsync.hooks.wire import all_gather_bytes, all_reduce_bytes
 
 from harness import run_distributed
@@ -469,3 +470,22 @@ def test_compressing_hooks_converge_like_plain_allreduce(name: str, blob_runs: d
     assert ours["loss"] <= plain["loss"] + LOSS_TOLERANCE, f"{name}: {ours['loss']:.4f} vs plain {plain['loss']:.4f}"
     ratio = plain["bytes"] / ours["bytes"]
     assert ratio == pytest.approx(_expected_ratio(name), rel=0.01), f"{name}: measured ratio {ratio:.2f}"
+
+
+def test_largest_indices_picks_what_topk_picks() -> None:
+    """The sampled-threshold selection (topk.py) against torch.topk, and exactly k in awkward cases."""
+    generator = torch.Generator().manual_seed(0)
+    for n, k in [(3 << 20, 31457), (3 << 20, 1), (3 << 20, 2 << 20), (5000, 50)]:
+        magnitude = torch.randn(n, generator=generator).abs()
+        got = largest_indices(magnitude, k)
+        want = magnitude.topk(k, sorted=False).indices
+        assert torch.equal(got.sort().values, want.sort().values), (n, k)
+    # ties at the threshold (mostly zeros): still exactly k, and every nonzero entry among them
+    magnitude = torch.zeros(3 << 20)
+    magnitude[:10] = 1.0
+    got = largest_indices(magnitude, 30000)
+    assert got.numel() == 30000 and set(range(10)) <= set(got.tolist())
+    # a NaN makes comparisons false: the fallback still returns k indices
+    magnitude = torch.rand(3 << 20, generator=generator)
+    magnitude[5] = float("nan")
+    assert largest_indices(magnitude, 30000).numel() == 30000

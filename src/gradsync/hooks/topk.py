@@ -23,6 +23,34 @@ from .allreduce import end_bucket
 from .memory import BucketMemory, start_with_error_feedback
 from .wire import WireStats
 
+SAMPLED_MIN_NUMEL = 1 << 20  # below this, plain topk is as fast
+SAMPLE_SIZE = 1 << 16  # entries looked at to guess the threshold
+OVERSAMPLE = 2.0  # aim for twice k candidates, so the guess is rarely too high
+
+
+def largest_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of ``k`` largest entries of a 1-D tensor: the set ``torch.topk`` picks, up to ties.
+
+    [Note: top-k by a sampled threshold]
+    ``topk`` over a 16.8M-element bucket takes ~330 ms on one CPU thread here (this: ~60 ms). A strided
+    sample guesses a threshold that about ``OVERSAMPLE * k`` entries exceed; ``topk`` then
+    runs only over those candidates. Every entry left out is below every candidate, so when
+    there are at least ``k`` candidates their top ``k`` is the exact answer; otherwise (an
+    unlucky sample, NaNs) we fall back to ``topk`` over everything. Always exactly ``k``
+    indices, which the fixed-size all-gather needs.
+    """
+    n = magnitude.numel()
+    stride = max(1, n // SAMPLE_SIZE)
+    sample = magnitude[::stride]
+    above = math.ceil(OVERSAMPLE * k * sample.numel() / n)  # sample entries to leave above the guess
+    if n < SAMPLED_MIN_NUMEL or above >= sample.numel():
+        return magnitude.topk(k, sorted=False).indices
+    threshold = sample.kthvalue(sample.numel() - above).values
+    candidates = (magnitude > threshold).nonzero().squeeze(1)
+    if candidates.numel() < k:
+        return magnitude.topk(k, sorted=False).indices
+    return candidates[magnitude[candidates].topk(k, sorted=False).indices]
+
 
 class TopKState:
     """Knobs and error memories of ``topk_hook``.
@@ -80,7 +108,7 @@ def topk_hook(state: TopKState, bucket: GradBucket) -> torch.futures.Future[torc
         return sparse_future
     n = buffer.numel()
     k = state.k_for(n)
-    indices = buffer.abs().topk(k, sorted=False).indices
+    indices = largest_indices(buffer.abs(), k)
     values = buffer[indices]
     if state.error_feedback:
         if error is None:
