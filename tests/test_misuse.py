@@ -165,3 +165,22 @@ def _backward_raised_half_way() -> str:
 def test_training_on_after_a_failed_backward_is_refused() -> None:
     for rank, message in enumerate(run_distributed(_backward_raised_half_way, 2, isolated=True)):
         assert f"started reducing gradients on rank {rank} but never finished" in message
+
+
+def _shared_grad_tensor() -> str:
+    rank, world = rank_world()
+    model = MLP()  # hidden weights are 16 x 16: 1 KiB, above a 512-byte cap, so each is reduced in place
+    ddp = DDP(model, bucket_cap_mb=512 / 2**20)
+    shared = torch.zeros(16, 16)
+    model.layers[0][0].weight.grad = shared
+    model.layers[2][0].weight.grad = shared  # one tensor as the .grad of two parameters
+    x, y = global_batch("mlp", world, 0)
+    with pytest.raises(RuntimeError) as caught:
+        loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+    return str(caught.value)
+
+
+def test_one_grad_tensor_shared_by_two_parameters_is_refused() -> None:
+    message = run_distributed(_shared_grad_tensor, 2)[0]
+    assert "share one .grad tensor" in message and "layers.0.0.weight" in message and "layers.2.0.weight" in message
+    assert "rank 0" in message

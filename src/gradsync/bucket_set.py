@@ -70,6 +70,7 @@ class BucketSet:
         self._nbytes = sum(storage.nbytes for storage in self.storages)  # read every iteration
         self._backups: dict[int, torch.Tensor] = {}
         self._in_place: set[int] = set()  # buckets reduced in their parameter's .grad this iteration
+        self._in_place_ptrs: dict[int, int] = {}  # data_ptr of each such .grad -> its parameter
 
     def rebuilt(self, order: Sequence[int], caps: list[int], as_view: bool, reduce_lone_in_place: bool) -> BucketSet:
         """A new assignment in ``order``; bucket-view gradients move into the new buckets."""
@@ -104,10 +105,11 @@ class BucketSet:
 
     def begin_iteration(self) -> None:
         self._in_place.clear()
+        self._in_place_ptrs.clear()
         self._backups.clear()
 
     # ------------------------------------------------------------------ copy in
-    def in_place_target(self, b: int, unused: set[int]) -> torch.Tensor | None:
+    def in_place_target(self, b: int, unused: set[int], names: list[str]) -> torch.Tensor | None:
         """The ``.grad`` to reduce bucket ``b`` in, if it can be ([Note: reducing a lone gradient in place])."""
         storage = self.storages[b]
         if not storage.untouched:
@@ -121,8 +123,21 @@ class BucketSet:
             or not grad.is_contiguous()
         ):
             return None
+        self._check_not_in_flight([grad], [storage.param_indices[0]], names)
         self._in_place.add(b)
+        self._in_place_ptrs[grad.data_ptr()] = storage.param_indices[0]
         return grad
+
+    def _check_not_in_flight(self, grads: list[torch.Tensor | None], indices: list[int], names: list[str]) -> None:
+        """A gradient being all-reduced in place must not be read or reduced again meanwhile."""
+        for grad, index in zip(grads, indices):
+            owner = None if grad is None else self._in_place_ptrs.get(grad.data_ptr())
+            if owner is not None:
+                raise RuntimeError(
+                    f"Parameters '{names[owner]}' and '{names[index]}' share one .grad tensor, which is "
+                    "being averaged in place; a gradient shared between parameters cannot be averaged "
+                    "for each of them. Give every parameter its own .grad (e.g. zero_grad(set_to_none=True))."
+                )
 
     def gather_grads(self, b: int, as_view: bool, unused: set[int], names: list[str], divisor: float = 1.0) -> None:
         """Put the current ``.grad`` of bucket ``b``'s parameters, divided by ``divisor``, into its flat buffer.
@@ -135,6 +150,8 @@ class BucketSet:
         """
         storage = self.storages[b]
         grads = [p.grad for p in storage.params]
+        if self._in_place_ptrs:
+            self._check_not_in_flight(grads, storage.param_indices, names)
         divide = divisor != 1.0  # a one-rank group averages over itself: no pass at all
         # Fast paths, one call per bucket where possible. ``None in grads`` would compare
         # tensors with ==; identity is what we mean.

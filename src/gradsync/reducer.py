@@ -296,7 +296,12 @@ class Reducer:
         # Without a hook we divide before summing, so low-precision gradients cannot overflow;
         # a hook receives the undivided sum's inputs, as torch's hooks expect.
         divisor = self._take_divisor() if self.comm_hook is None else 1.0
-        target = self.buckets.in_place_target(b, self._marked_unused) if self.comm_hook is None else None
+        target = None
+        if self.comm_hook is None:
+            try:
+                target = self.buckets.in_place_target(b, self._marked_unused, self.names)
+            except RuntimeError as error:
+                self._errors.append(f"{error} (rank {self.rank}, iteration {self.iteration})")
         if target is not None:
             if divisor != 1.0:
                 target.div_(divisor)
