@@ -117,32 +117,31 @@ class _Switch(torch.nn.Module):
 def _lone_large_gradient_in_place() -> None:
     """A parameter above the bucket cap is reduced in its own .grad (bucket_set.py explains).
 
-    Checked from the outside: .grad stays the tensor autograd produced (torch's contract
-    without bucket views) and holds the average of the ranks' gradients. In the last step the
-    last rank does not use ``up`` (find_unused): it takes the copying path while the others
-    reduce in place, and all must still agree with the hand-computed average.
+    Checked from the outside: .grad stays the tensor it was (torch's contract without bucket
+    views: zero_grad(set_to_none=False) keeps it, autograd accumulates into it) and holds the
+    average of the ranks' gradients. In the last step the last rank does not use ``up``
+    (find_unused): it takes the copying path while the others reduce in place, and all must
+    still agree with the hand-computed average.
     """
     rank, world = rank_world()
     torch.manual_seed(0)
     model = _Switch()
     reference = copy.deepcopy(model)
     ddp = DDP(model, bucket_cap_mb=0.25, find_unused_parameters=True)  # up.weight is 512 KiB: alone
-    produced: dict[str, int] = {}
-    model.up.weight.register_post_accumulate_grad_hook(lambda p: produced.update(up=id(p.grad)))
     for step in range(4):
         x, y = global_batch("mlp", world, step)
         uses_up = [step < 3 or r != world - 1 for r in range(world)]
-        model.zero_grad()
-        reference.zero_grad()
-        produced.clear()
+        model.zero_grad(set_to_none=step == 0)
+        reference.zero_grad(set_to_none=step == 0)
+        kept = model.up.weight.grad
         loss_fn(ddp(shard(x, rank, world), use_up=uses_up[rank]), shard(y, rank, world)).backward()
         shard_losses = [
             loss_fn(reference(shard(x, r, world), use_up=uses_up[r]), shard(y, r, world)) for r in range(world)
         ]
         (sum(shard_losses) / world).backward()
         assert_grads_close(grads_of(model), grads_of(reference))
-        if uses_up[rank]:
-            assert id(model.up.weight.grad) == produced["up"], "the reduced .grad must be autograd's own tensor"
+        if step > 0:
+            assert model.up.weight.grad is kept, "the reduced .grad must be the tensor it was"
     gathered = all_gather_flat([model.up.weight.grad])
     assert all(torch.equal(g, gathered[0]) for g in gathered)
 
@@ -168,6 +167,28 @@ def _accumulate_across_rebuild() -> int:
                 assert_grads_close(grads_of(model), grads_of(reference))
                 checked += 1
     return checked
+
+
+def _other_hooks_see_the_local_gradient() -> None:
+    """Someone else's post-accumulate-grad hook reads the local gradient, as with torch's DDP."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model = _Switch()
+    local = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=0.25, find_unused_parameters=True)
+    seen: list[torch.Tensor] = []
+    model.up.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    for step in range(3):
+        x, y = global_batch("mlp", world, step)
+        model.zero_grad()
+        local.zero_grad()
+        loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+        loss_fn(local(shard(x, rank, world)), shard(y, rank, world)).backward()
+        assert torch.equal(seen[-1], local.up.weight.grad), "the hook must see this rank's own gradient"
+
+
+def test_other_post_accumulate_hooks_see_the_local_gradient() -> None:
+    run_distributed(_other_hooks_see_the_local_gradient, 2)
 
 
 def test_gradients_accumulate_across_the_bucket_rebuild() -> None:

@@ -18,7 +18,8 @@ that is the same thing (the gradient *is* the bucket), and it is what bucket vie
 no copy and no second copy of the gradient in memory. The flat buffer of such a bucket
 is allocated but left untouched (so it costs no resident memory) and serves only the
 iterations where the gradient cannot be used directly: no gradient on this rank, a
-gradient that is sparse, non-contiguous or part of a graph (``create_graph=True``).
+gradient that is sparse, non-contiguous or part of a graph (``create_graph=True``), or a
+parameter that has post-accumulate-grad hooks of someone else (they may read ``.grad``).
 """
 
 from __future__ import annotations
@@ -114,13 +115,15 @@ class BucketSet:
         storage = self.storages[b]
         if not storage.untouched:
             return None
-        grad = storage.params[0].grad
+        param = storage.params[0]
+        grad = param.grad
         if (
             grad is None
             or storage.param_indices[0] in unused
             or grad.is_sparse
             or grad.requires_grad
             or not grad.is_contiguous()
+            or _has_other_post_accumulate_hooks(param)
         ):
             return None
         self._check_not_in_flight([grad], [storage.param_indices[0]], names)
@@ -263,6 +266,18 @@ class BucketSet:
                 param.grad = view.clone()
             else:
                 grad.copy_(view)
+
+
+def _has_other_post_accumulate_hooks(param: torch.Tensor) -> bool:
+    """Whether someone besides gradsync hooks this parameter after accumulation.
+
+    Such a hook may run after ours and read ``.grad``; with the copying path it sees the local
+    gradient (as with torch's DDP), with an in-place reduction it would see one in flight.
+    torch keeps these hooks in ``_post_accumulate_grad_hooks``; if that ever moves, we count
+    none and keep reducing in place.
+    """
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return hooks is not None and len(hooks) > 1  # ours is one of them
 
 
 def _copy_in(storage: BucketStorage, grads: list[torch.Tensor], divisor: float) -> None:
