@@ -37,26 +37,23 @@ import enum
 import functools
 import logging
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import errors, graph
+from . import errors, graph, launch
 from .agreement import agree_on_order, agree_on_used
 from .bucket_set import BucketSet
 from .debug import DesyncDetector, Position
-from .grad_bucket import GradBucket
 from .labels import label
+from .launch import CommHook
 from .liveness import roll_call
 from .static_graph import StaticGraphCounts
 from .stats import IterationTimes, RunningStats, now
 
 logger = logging.getLogger(__name__)
-
-CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
 class ReducerState(enum.Enum):
@@ -277,9 +274,12 @@ class Reducer:
                 what = f"all-reduce of bucket {b}"
                 self.desync.check(Position(what, self.synced_forwards, storage.flat.numel(), str(storage.flat.dtype)))
             if storage.sparse:
-                self._results.append(self._launch_sparse(b))
+                sparse = launch.start_sparse(
+                    self.buckets, b, self._take_divisor, self.process_group, self.comm_hook, self.comm_hook_state
+                )
+                self._results.append(sparse)
             else:
-                self._launch_dense(b, storage)
+                self._launch_dense(b)
             if self.timeline is not None and self._results[-1] is not None:
                 self._record_completion(b, self._results[-1])
 
@@ -292,51 +292,23 @@ class Reducer:
 
         future.add_done_callback(done)
 
-    def _launch_dense(self, b: int, storage: Any) -> None:
-        # Without a hook we divide before summing, so low-precision gradients cannot overflow;
-        # a hook receives the undivided sum's inputs, as torch's hooks expect.
+    def _launch_dense(self, b: int) -> None:
         divisor = self._take_divisor() if self.comm_hook is None else 1.0
-        target = None
-        if self.comm_hook is None:
-            try:
-                target = self.buckets.in_place_target(b, self._marked_unused, self.names)
-            except RuntimeError as error:
-                self._errors.append(f"{error} (rank {self.rank}, iteration {self.iteration})")
-        if target is not None:
-            if divisor != 1.0:
-                target.div_(divisor)
-        else:
-            try:
-                self.buckets.gather_grads(b, self.as_view, self._marked_unused, self.names, divisor)
-            except (RuntimeError, ValueError) as error:
-                self._errors.append(f"{error} (rank {self.rank}, iteration {self.iteration})")
-            target = storage.flat
-        flat = storage.flat
-        if self.comm_hook is None:
-            try:
-                work = dist.all_reduce(target, group=self.process_group, async_op=True)
-            except RuntimeError as error:  # a dead peer can fail the launch itself
-                self._errors.append(f"all-reduce failed on bucket {b}: {error}")
-                work = None
-            self._results.append(work)
-            return
-        bucket = GradBucket(b, flat, storage, is_last=b == len(self.buckets.storages) - 1)
-        try:
-            self._results.append(self.comm_hook(self.comm_hook_state, bucket))
-        except Exception as error:  # noqa: BLE001 - surfaced from backward() with context
-            self._errors.append(f"comm hook {self.hook_name} raised on bucket {b} on rank {self.rank}: {error!r}")
-            self._results.append(None)
-
-    def _launch_sparse(self, b: int) -> Any:
-        grad = self.buckets.storages[b].params[0].grad
-        if grad is None:  # unused here: contribute an empty sparse gradient of the right shape
-            grad = self.buckets.zeros_like_bucket(b)
-        grad = grad.coalesce()
-        if self.comm_hook is None:
-            grad = grad / self._take_divisor()
-            return dist.all_reduce(grad, group=self.process_group, async_op=True).get_future()
-        bucket = GradBucket(b, grad, self.buckets.storages[b], is_last=b == len(self.buckets.storages) - 1)
-        return self.comm_hook(self.comm_hook_state, bucket)
+        pending, problems = launch.start_dense(
+            self.buckets,
+            b,
+            divisor,
+            self._marked_unused,
+            self.names,
+            self.as_view,
+            self.process_group,
+            self.comm_hook,
+            self.comm_hook_state,
+            self.rank,
+            self.iteration,
+        )
+        self._results.append(pending)
+        self._errors.extend(problems)
 
     def _finalize_callback(self) -> None:
         self._callback_queued = False

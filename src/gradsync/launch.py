@@ -1,0 +1,91 @@
+"""Starting one bucket's reduction: gradients in, collective (or comm hook) out.
+
+The reducer decides *when* a bucket starts ([Note: launch order] in reducer.py); this
+module is *how*: pick the gradient to reduce in place or gather the bucket, divide, and
+start the all-reduce or call the comm hook. Errors are returned as messages rather than
+raised, so a failing rank still issues every collective and the others do not hang; the
+reducer raises them at the end of backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .bucket_set import BucketSet
+from .grad_bucket import GradBucket
+
+CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+
+
+def start_dense(
+    buckets: BucketSet,
+    b: int,
+    divisor: float,
+    unused: set[int],
+    names: list[str],
+    as_view: bool,
+    group: dist.ProcessGroup,
+    hook: CommHook | None,
+    hook_state: Any,
+    rank: int,
+    iteration: int,
+) -> tuple[Any, list[str]]:
+    """Start dense bucket ``b``: ``(pending, error messages)``; pending is a work handle, a hook's
+    future, or None when the start itself failed.
+
+    Without a hook the gradients are divided before summing, so low-precision gradients cannot
+    overflow; a hook receives them undivided, as torch's hooks expect (``divisor`` is then 1).
+    """
+    where = f"rank {rank}, iteration {iteration}"
+    errors: list[str] = []
+    storage = buckets.storages[b]
+    target = None
+    if hook is None:
+        try:
+            target = buckets.in_place_target(b, unused, names)
+        except RuntimeError as error:
+            errors.append(f"{error} ({where})")
+    if target is not None:
+        if divisor != 1.0:
+            target.div_(divisor)
+    else:
+        try:
+            buckets.gather_grads(b, as_view, unused, names, divisor)
+        except (RuntimeError, ValueError) as error:
+            errors.append(f"{error} ({where})")
+        target = storage.flat
+    if hook is None:
+        try:
+            return dist.all_reduce(target, group=group, async_op=True), errors
+        except RuntimeError as error:  # a dead peer can fail the launch itself
+            return None, [*errors, f"all-reduce failed on bucket {b}: {error}"]
+    bucket = GradBucket(b, storage.flat, storage, is_last=b == len(buckets.storages) - 1)
+    try:
+        return hook(hook_state, bucket), errors
+    except Exception as error:  # noqa: BLE001 - surfaced from backward() with context
+        name = getattr(hook, "__qualname__", None) or repr(hook)
+        return None, [*errors, f"comm hook {name} raised on bucket {b} on rank {rank}: {error!r}"]
+
+
+def start_sparse(
+    buckets: BucketSet,
+    b: int,
+    take_divisor: Callable[[], float],
+    group: dist.ProcessGroup,
+    hook: CommHook | None,
+    hook_state: Any,
+) -> Any:
+    """Start sparse bucket ``b`` (one parameter, reduced as the sparse tensor it is)."""
+    grad = buckets.storages[b].params[0].grad
+    if grad is None:  # unused here: contribute an empty sparse gradient of the right shape
+        grad = buckets.zeros_like_bucket(b)
+    grad = grad.coalesce()
+    if hook is None:
+        grad = grad / take_divisor()
+        return dist.all_reduce(grad, group=group, async_op=True).get_future()
+    bucket = GradBucket(b, grad, buckets.storages[b], is_last=b == len(buckets.storages) - 1)
+    return hook(hook_state, bucket)
