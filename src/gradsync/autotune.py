@@ -42,23 +42,21 @@ PROBE_LARGE = 4 * MIB
 REPEATS = 3
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _time_all_reduce(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> float:
     tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(REPEATS + 1):  # the first run warms the connection up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         start = time.perf_counter()
         dist.all_reduce(tensor, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _overlap(all_reduce_s: float, group: dist.ProcessGroup, device: torch.device) -> float:

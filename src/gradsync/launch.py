@@ -21,6 +21,11 @@ from .grad_bucket import GradBucket
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
 
+def hook_name(hook: CommHook) -> str:
+    """How messages name a comm hook."""
+    return getattr(hook, "__qualname__", None) or repr(hook)
+
+
 def start_dense(
     buckets: BucketSet,
     b: int,
@@ -67,8 +72,7 @@ def start_dense(
     try:
         return hook(hook_state, bucket), errors
     except Exception as error:  # noqa: BLE001 - surfaced from backward() with context
-        name = getattr(hook, "__qualname__", None) or repr(hook)
-        return None, [*errors, f"comm hook {name} raised on bucket {b} on rank {rank}: {error!r}"]
+        return None, [*errors, f"comm hook {hook_name(hook)} raised on bucket {b} on rank {rank}: {error!r}"]
 
 
 def start_sparse(

@@ -415,9 +415,7 @@ class Reducer:
     # ------------------------------------------------------------------ hooks
     @property
     def hook_name(self) -> str | None:
-        if self.comm_hook is None:
-            return None
-        return getattr(self.comm_hook, "__qualname__", None) or repr(self.comm_hook)
+        return None if self.comm_hook is None else launch.hook_name(self.comm_hook)
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self.comm_hook_state = state
