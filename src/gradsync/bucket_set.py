@@ -53,12 +53,7 @@ class BucketSet:
         infos = [ParamInfo(p.numel() * p.element_size(), (p.device, p.dtype), s) for p, s in zip(params, sparse)]
         self.assignment = assign_buckets(infos, order, caps, lone_oversized=reduce_lone_in_place)
         self.storages = [
-            BucketStorage(
-                indices,
-                [params[i] for i in indices],
-                sparse[indices[0]],
-                untouched=reduce_lone_in_place and len(indices) == 1,
-            )
+            BucketStorage(indices, [params[i] for i in indices], sparse[indices[0]], reduce_lone_in_place)
             for indices in self.assignment
         ]
         self.bucket_of = [0] * len(params)

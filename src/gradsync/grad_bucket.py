@@ -61,10 +61,11 @@ class BucketStorage:
         "_data_ptr",
     )
 
-    def __init__(self, param_indices: list[int], params: list[torch.Tensor], sparse: bool, untouched: bool = False):
-        """``untouched``: the bucket is normally reduced in its one parameter's ``.grad``, so the flat
-        buffer is allocated uninitialised and costs no resident memory until a fallback writes it
-        (every path writes the whole buffer before reading it)."""
+    def __init__(self, param_indices: list[int], params: list[torch.Tensor], sparse: bool, lone_in_place: bool = False):
+        """``lone_in_place``: a one-parameter dense bucket is normally reduced in that parameter's
+        ``.grad`` (``untouched``), so its flat buffer is allocated uninitialised and costs no resident
+        memory until a fallback writes it (every path writes the whole buffer before reading it)."""
+        self.untouched = lone_in_place and not sparse and len(params) == 1
         self.param_indices = param_indices
         self.params = params
         self.sparse = sparse
@@ -78,11 +79,10 @@ class BucketStorage:
             self.flat = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
             self.views: list[torch.Tensor] = []
         else:
-            allocate = torch.empty if untouched else torch.zeros
+            allocate = torch.empty if self.untouched else torch.zeros
             self.flat = allocate(total, dtype=params[0].dtype, device=params[0].device)
             self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
         self._data_ptr = self.flat.data_ptr()
-        self.untouched = untouched and not sparse and len(params) == 1
         # See [Note: one pass per gradient] in bucket_set.py. benchmarks/copy_in.py measured the
         # crossover at ~16K elements per gradient (one call each costs a second pass over that many).
         self.fuse_division = not sparse and total >= FUSE_DIVISION_MIN_NUMEL * len(params)
