@@ -75,6 +75,45 @@ def test_broadcast_buffers_false_skips_init_and_forward_sync() -> None:
     assert results == [(False, False)] * 2
 
 
+class _MixedBuffers(torch.nn.Module):
+    """Buffers of many dtypes and layouts, filled from a seed; forward leaves them alone."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.lin = torch.nn.Linear(3, 2)
+        self.register_buffer("f32", torch.randn(5, generator=g))
+        self.register_buffer("count", torch.randint(0, 1 << 40, (), generator=g))  # 0-dim int64
+        self.register_buffer("mask", torch.rand(7, generator=g) > 0.5)
+        self.register_buffer("f64", torch.randn(2, 3, generator=g, dtype=torch.float64))
+        self.register_buffer("f16", torch.randn(3, generator=g).half())
+        self.register_buffer("transposed", torch.randn(4, 3, generator=g).t())  # not contiguous
+        self.register_buffer("empty", torch.empty(0, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _mixed_buffer_sync() -> tuple[bool, bool]:
+    """(buffers are rank 0's after wrapping, and again after a forward once ranks diverged)."""
+    rank, _ = rank_world()
+    model = _MixedBuffers(seed=rank)
+    ddp = DDP(model)
+    expected = dict(_MixedBuffers(seed=0).named_buffers())  # rank 0's, rebuilt independently
+    after_wrap = all(torch.equal(b, expected[n]) and b.dtype == expected[n].dtype for n, b in model.named_buffers())
+    for name, buffer in model.named_buffers():  # every rank drifts differently
+        buffer.copy_(_MixedBuffers(seed=10 + rank).get_buffer(name))
+    expected = dict(_MixedBuffers(seed=10).named_buffers())
+    ddp(torch.randn(2, 3))
+    after_forward = all(torch.equal(b, expected[n]) for n, b in model.named_buffers())
+    return after_wrap, after_forward and not model.transposed.is_contiguous()
+
+
+def test_buffers_of_every_dtype_broadcast_bitwise() -> None:
+    # float, int64, bool, float64, half, a transposed and an empty buffer share one byte buffer
+    assert run_distributed(_mixed_buffer_sync, 3) == [(True, True)] * 3
+
+
 def _state_dict_round_trip() -> None:
     rank, world = rank_world()
     torch.manual_seed(0)
