@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -25,6 +26,8 @@ DESCRIPTIONS = {
     "torch_ddp_view": "torch DDP with gradient_as_bucket_view=True",
     "no_comm": "the bare module: each rank trains alone (the floor)",
     "naive": "gradsync.naive.NaiveDataParallel: one blocking all-reduce per parameter after backward",
+    "one_allreduce": "after backward, every gradient copied into one flat buffer, one all-reduce, copied back; "
+    "no overlap and no buffer broadcast (the floor for a reducer whose communication cannot overlap compute)",
 }
 CONTENDERS = tuple(DESCRIPTIONS)
 
@@ -44,7 +47,33 @@ def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Cal
     if name == "naive":
         naive = NaiveDataParallel(module)
         return naive, naive.average_gradients
+    if name == "one_allreduce":
+        return module, OneAllReduce(module)
     raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS}")
+
+
+class OneAllReduce:
+    """Average every gradient with one all-reduce after backward: no buckets, no hooks, no overlap.
+
+    On a machine where communication and compute share the same cores, overlap buys little
+    and this is close to the best a data-parallel step can do; the suite shows how far each
+    DDP is from it.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.flat = torch.empty(sum(p.numel() for p in self.params))
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def __call__(self) -> None:
+        grads = [p.grad for p in self.params]
+        torch._foreach_copy_(self.views, grads)
+        self.flat.div_(dist.get_world_size())
+        dist.all_reduce(self.flat)
+        torch._foreach_copy_(grads, self.views)
 
 
 def sweep_name(cap: Cap) -> str:

@@ -1,4 +1,4 @@
-"""The benchmark suite: gradsync against torch's DDP, no communication and the naive version.
+"""The benchmark suite: gradsync against torch's DDP, no communication, one flat all-reduce and the naive version.
 
 Run (about 7 minutes on a quiet 2-core machine; it waits for other processes to idle):
 
@@ -219,7 +219,7 @@ def bandwidth_lines(result: WorkloadResult, nbytes: int) -> list[str]:
         f"| raw `dist.all_reduce` of one flat {mib(nbytes)} MiB buffer (median, slowest rank) | {raw * 1e3:.1f} "
         f"| {gb / raw:.2f} |",
     ]
-    for name in ("gradsync", "gradsync_best", "torch_ddp", "torch_ddp_view", "naive"):
+    for name in ("gradsync", "gradsync_best", "torch_ddp", "torch_ddp_view", "naive", "one_allreduce"):
         exposed = summarise(result.samples[name]).median_ms / 1e3 - floor
         bw = f"{gb / exposed:.2f}" if exposed > 0 else "-"
         lines.append(f"| {name}: exposed comm (median - no_comm median) | {exposed * 1e3:.1f} | {bw} |")
