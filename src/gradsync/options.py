@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,16 +15,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .buckets import bucket_caps_bytes
-
-
-@dataclass(frozen=True)
-class ResolvedOptions:
-    process_group: dist.ProcessGroup
-    device: torch.device | None  # where forward inputs are moved (single-GPU modules only)
-    caps: list[int]
-    rebuild_caps: list[int]
-    init_sync_buffers: bool
-    forward_sync_buffers: bool
 
 
 def resolve_process_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:

@@ -76,7 +76,6 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         static_graph: bool,
-        rebuild_caps: list[int] | None = None,
     ) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
@@ -87,7 +86,6 @@ class Reducer:
         self.static_graph = static_graph
         self.as_view = gradient_as_bucket_view
         self.caps = caps
-        self.rebuild_caps = rebuild_caps or caps
         self.sparse = sparse
         # Initial order: reverse registration, since later layers get gradients first.
         # Reducing lone large gradients in place needs no hook; hooks are registered after
@@ -398,7 +396,7 @@ class Reducer:
             raise RuntimeError(self.collective_failure_message(str(error))) from error
         self._results = []  # the last iteration's work handles still reference the old buffers
         in_place = self.comm_hook is None
-        self.buckets = self.buckets.rebuilt(order, self.rebuild_caps, self.as_view, in_place)
+        self.buckets = self.buckets.rebuilt(order, self.caps, self.as_view, in_place)
         self._rebuild_pending = False
         self._ready_order = []
         self.rebuilt = True
