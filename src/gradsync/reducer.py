@@ -44,12 +44,13 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from . import errors, graph, launch
-from .agreement import agree_on_order, agree_on_used
+from .agreement import agree_on_used
 from .bucket_set import BucketSet
 from .debug import DesyncDetector, Position
 from .labels import label
 from .launch import CommHook
 from .liveness import roll_call
+from .rebuild import BucketRebuild
 from .static_graph import StaticGraphCounts
 from .stats import IterationTimes, RunningStats, now
 
@@ -97,11 +98,7 @@ class Reducer:
         self.comm_hook_state: Any = None
         self.state = ReducerState.IDLE
         self.iteration = 0  # synced backwards finalized so far
-        self.rebuilt = False
-        # Rebuilding from the observed order is only sound when every parameter reports
-        # in every iteration (torch makes the same choice).
-        self._rebuild_pending = static_graph or not find_unused_parameters
-        self._ready_order: list[int] = []
+        self._rebuild = BucketRebuild(len(self.params), enabled=static_graph or not find_unused_parameters)
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
         self._used_since_sync = [False] * len(self.params)
         self._forward_unused: set[int] | None = None
@@ -142,8 +139,8 @@ class Reducer:
         """Called before every grad-enabled forward: check the last backward, rebuild once."""
         if self.state is ReducerState.REDUCING:
             raise RuntimeError(errors.backward_never_finished(self.rank, self.iteration))
-        if self._rebuild_pending and self.iteration >= 1:
-            self._rebuild_from_observed_order()
+        if self._rebuild.pending and self.iteration >= 1:
+            self._rebuild_buckets()
 
     def prepare_for_backward(self, output: Any) -> None:
         """After a synced forward: expect the next backward through ``output`` to reduce."""
@@ -209,8 +206,8 @@ class Reducer:
         if ready[index]:
             self._errors.append(self._twice_error(index))
             return
-        if self._rebuild_pending and self.iteration == 0:
-            self._ready_order.append(index)
+        if self._rebuild.pending and self.iteration == 0:
+            self._rebuild.order.append(index)
         ready[index] = True
         bucket = self.buckets.bucket_of[index]
         pending = self._pending
@@ -227,7 +224,7 @@ class Reducer:
         fired = counts.fired[index]
         if counts.expected is None:
             if fired == 1 and self.iteration == 0:
-                self._ready_order.append(index)
+                self._rebuild.order.append(index)
             return  # first static-graph iteration: everything is reduced at the end
         if fired == counts.expected[index]:
             self._mark_ready(index)
@@ -386,20 +383,21 @@ class Reducer:
             warnings.warn(errors.nothing_unused(self.rank, self.iteration), UserWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ rebuild
-    def _rebuild_from_observed_order(self) -> None:
-        seen = set(self._ready_order)
-        local = self._ready_order + [i for i in reversed(range(len(self.params))) if i not in seen]
+    @property
+    def rebuilt(self) -> bool:
+        return self._rebuild.done
+
+    def _rebuild_buckets(self) -> None:
+        """[Note: bucket rebuild] in rebuild.py."""
         self.phase = "the one-time bucket rebuild broadcast"
+        rebuild = self._rebuild
         try:
-            order = agree_on_order(local, self.process_group, self.buckets.device, self.desync, self.synced_forwards)
+            order = rebuild.agreed_order(self.process_group, self.buckets.device, self.desync, self.synced_forwards)
         except RuntimeError as error:
             raise RuntimeError(self.collective_failure_message(str(error))) from error
         self._results = []  # the last iteration's work handles still reference the old buffers
         in_place = self.comm_hook is None
-        self.buckets = self.buckets.rebuilt(order, self.caps, self.as_view, in_place)
-        self._rebuild_pending = False
-        self._ready_order = []
-        self.rebuilt = True
+        self.buckets = rebuild.apply(self.buckets, order, self.caps, self.as_view, in_place)
         self._reset_iteration()
         logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))
 
