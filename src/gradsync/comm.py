@@ -66,10 +66,10 @@ def broadcast_coalesced(
                 flat[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, chunk)
             ]
             if is_source:
-                torch._foreach_copy_(slots, list(chunk))
+                torch._foreach_copy_(slots, chunk)
             dist.broadcast(flat, src=src, group=group)
             if not is_source:  # the source's tensors already hold these values
-                torch._foreach_copy_(list(chunk), slots)
+                torch._foreach_copy_(chunk, slots)
 
 
 class ParamSignature(NamedTuple):
