@@ -20,6 +20,15 @@ is allocated but left untouched (so it costs no resident memory) and serves only
 iterations where the gradient cannot be used directly: no gradient on this rank, a
 gradient that is sparse, non-contiguous or part of a graph (``create_graph=True``), or a
 parameter that has post-accumulate-grad hooks of someone else (they may read ``.grad``).
+
+[Note: delayed all-reduce]
+``delay_all_reduce_named_params`` keeps the named parameters out of the regular buckets: they
+get buckets of their own, placed in the launch order right after the bucket that holds
+``param_to_hook_all_reduce`` (at the end if the hook parameter is itself delayed). Buckets launch
+strictly in order, so the delayed ones start once the hook parameter's gradient *and* every
+delayed gradient are ready, and backward waits for them like for any bucket. torch instead
+starts them from a tensor hook on the hook parameter, whatever the delayed gradients' state,
+and never waits (TORCH_DDP_NOTES §1j.4: silently unsynchronised gradients).
 """
 
 from __future__ import annotations
@@ -45,15 +54,29 @@ class BucketSet:
         order: Sequence[int],
         caps: list[int],
         reduce_lone_in_place: bool = False,
+        delayed: frozenset[int] = frozenset(),
+        reduce_dtype: torch.dtype | None = None,
+        delay_after: int | None = None,
     ) -> None:
+        """``delayed``/``delay_after``: [Note: delayed all-reduce]; ``reduce_dtype``: the flat
+        buffers' dtype when it is not the parameters' own (``mixed_precision``)."""
         self.params = params
         self.sparse = sparse
         self.caps = caps
         self.reduce_lone_in_place = reduce_lone_in_place
+        self.delayed = delayed
+        self.delay_after = delay_after
+        self.reduce_dtype = reduce_dtype
         infos = [ParamInfo(p.numel() * p.element_size(), (p.device, p.dtype), s) for p, s in zip(params, sparse)]
-        self.assignment = assign_buckets(infos, order, caps, lone_oversized=reduce_lone_in_place)
+        regular = [i for i in order if i not in delayed]
+        self.assignment = assign_buckets(infos, regular, caps, lone_oversized=reduce_lone_in_place)
+        if delayed:  # one bucket per (device, dtype), whatever the cap: it is one collective by design
+            position = len(self.assignment)
+            if delay_after is not None and delay_after not in delayed:
+                position = next(b for b, members in enumerate(self.assignment) if delay_after in members) + 1
+            self.assignment[position:position] = assign_buckets(infos, sorted(delayed), [1 << 62])
         self.storages = [
-            BucketStorage(indices, [params[i] for i in indices], sparse[indices[0]], reduce_lone_in_place)
+            BucketStorage(indices, [params[i] for i in indices], sparse[indices[0]], reduce_lone_in_place, reduce_dtype)
             for indices in self.assignment
         ]
         self.bucket_of = [0] * len(params)
@@ -74,7 +97,8 @@ class BucketSet:
             # Nothing aliases the old flat buffers: free them before allocating the new ones,
             # so the rebuild does not hold two copies of every gradient at once.
             self.storages = []
-        new = BucketSet(self.params, self.sparse, order, caps, reduce_lone_in_place)
+        layout = (self.delayed, self.reduce_dtype, self.delay_after)
+        new = BucketSet(self.params, self.sparse, order, caps, reduce_lone_in_place, *layout)
         if as_view:
             for storage in new.storages:
                 if storage.untouched:

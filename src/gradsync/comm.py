@@ -118,8 +118,8 @@ def verify_same_parameters(named_params: Sequence[tuple[str, torch.Tensor]], gro
     dist.all_gather_object(gathered, mine, group=group)
     mismatch = describe_mismatch([g or [] for g in gathered])
     if mismatch is not None:
-        raise ValueError(
-            f"gradsync.DistributedDataParallel: ranks wrap different models (seen on rank "
+        raise RuntimeError(
+            f"DDP expects same model across all ranks, but ranks wrap different models (seen on rank "
             f"{dist.get_rank(group)}): {mismatch}. Every rank must build the same model, with the "
             "same parameters in the same order, before wrapping it."
         )

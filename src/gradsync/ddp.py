@@ -16,26 +16,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
-from . import comm, liveness, options, synced, watch
+from . import comm, errors, liveness, options, synced, watch
 from .autotune import auto_bucket_caps
 from .debug import DesyncDetector, DivergenceCheck, Position
 from .device import move_to_device
 from .grad_bucket import check_comm_hook
 from .join import DDPJoinHook, all_ranks_agree_to_sync, find_common_rank
 from .labels import label
+from .mixed_precision import MixedPrecision
 from .reducer import Reducer, ReducerState
 from .stats import DDPStats, collect_stats, now
 from .sync_batchnorm import SyncBatchNorm
+from .torch_surface import TorchDDPSurface
 
 logger = logging.getLogger(__name__)
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPSurface, TorchDDP):
     """Data-parallel training of ``module``: one process per device, gradients averaged.
 
     Drop-in for ``torch.nn.parallel.DistributedDataParallel`` (same arguments and
     methods); the bucketing, hooks and reductions are gradsync's own Python.
+
+    [Note: a subclass of torch's DDP for its type only]
+    Frameworks test ``isinstance(model, torch.nn.parallel.DistributedDataParallel)`` and take
+    another, silently wrong, branch when it is false, so this class derives from torch's. None
+    of torch's code runs: ``__init__`` initialises ``nn.Module`` and ``Joinable`` directly, and
+    every method and property torch's class defines is overridden here or in
+    ``TorchDDPSurface`` (tests/test_torch_surface.py enumerates them).
     """
 
     def __init__(
@@ -61,16 +71,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not torch's DDP __init__: see the class note
         Joinable.__init__(self)
         self._join_divide_by_initial_world_size = True
-        options.reject_unsupported(
-            check_reduction=check_reduction,
-            delay_all_reduce_named_params=delay_all_reduce_named_params,
-            param_to_hook_all_reduce=param_to_hook_all_reduce,
-            mixed_precision=mixed_precision,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-        )
+        options.warn_deprecated(check_reduction)
         self.process_group = options.resolve_process_group(process_group, device_mesh)
         self.module = module
         named_params = synced.parameters(module)
@@ -94,6 +98,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self.mixed_precision = mixed_precision
+        self._mixed_precision = None
+        if mixed_precision is not None:  # casts the buffers, so before they are listed and broadcast
+            self._mixed_precision = MixedPrecision(mixed_precision, module, synced.ignored(module))
         self._synced_buffers = synced.buffers(module)
         # Modules that communicate inside forward cannot be shadowed by joined ranks.
         self._forward_collectives = [n for n, m in module.named_modules() if isinstance(m, SyncBatchNorm)]
@@ -103,18 +111,31 @@ class DistributedDataParallel(nn.Module, Joinable):
         if init_sync:
             comm.verify_same_parameters(named_params, self.process_group)
             self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
+        sparse = synced.sparse_flags(module, named_params)
+        delayed, delay_after = options.resolve_delayed(
+            named_params, sparse, delay_all_reduce_named_params, param_to_hook_all_reduce
+        )
+        reduce_dtype = None if self._mixed_precision is None else self._mixed_precision.reduce_dtype
+        options.check_reduce_dtype(reduce_dtype, named_params, gradient_as_bucket_view)
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self._reducer_config = {
-            "sparse": synced.sparse_flags(module, named_params),
+            "sparse": sparse,
             "caps": caps,
             "find_unused_parameters": find_unused_parameters,
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
+            "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
+            "delayed": delayed,
+            "delay_after": delay_after,
+            "reduce_dtype": reduce_dtype,
         }
         self.reducer = self._make_reducer()
         liveness.start_responder()  # lets survivors of a crash name the dead rank
         self._added_after_wrapping: list[str] = []
         watch.watch(module, self._on_module_changed)
         self._divergence: DivergenceCheck | None = None
+        self._logged_error: str | None = None
+        self._lazy_init_ran = False
         if os.environ.get("GRADSYNC_DEBUG", "").lower() in ("desync", "detail"):
             self.enable_desync_detection()
 
@@ -138,8 +159,24 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+        if self._mixed_precision is not None:
+            output = self._mixed_precision.run(self.module, inputs, kwargs)
+        else:
+            output = self.module(*inputs, **kwargs)
+        return self._post_forward(output)
+
+    @torch.compiler.disable
+    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Everything before the wrapped module runs; inputs moved to the module's device.
+
+        Kept out of ``torch.compile`` graphs (as are ``_post_forward`` and the gradient hooks): a
+        compiled wrapper compiles the module's forward and runs the synchronisation eagerly.
+        """
         with label("gradsync::forward"):
-            forward_start = now()
+            self._forward_start = now()
+            if self.reducer.retired:
+                raise RuntimeError(errors.wrapper_replaced(self.reducer.rank))
             self.reducer.phase = "forward"
             grad_enabled = torch.is_grad_enabled()
             will_sync = grad_enabled and self.require_backward_grad_sync
@@ -154,31 +191,43 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self.reducer.divide_by_active_ranks(still_active.get_future())
             if grad_enabled:
                 self.reducer.prepare_for_forward()
-            sync_start = sync_end = 0.0
+            self._sync_start = self._sync_end = 0.0
             if self.will_sync_module_buffers():
-                sync_start = now()
+                self._sync_start = now()
                 self._sync_buffers(candidate=True)
-                sync_end = now()
+                self._sync_end = now()
             if self._join_config.enable:
                 all_ranks_agree_to_sync(will_sync, self.process_group, self.reducer.buckets.device)
             if self.device is not None:
                 inputs = move_to_device(inputs, self.device)
                 kwargs = move_to_device(kwargs, self.device)
-            output = self.module(*inputs, **kwargs)
-            if will_sync:
-                self.require_forward_param_sync = True
-                forward_end = now()
-                self.reducer.prepare_for_backward(output)
-                times = self.reducer.times
-                times.forward_start, times.forward_end = forward_start, forward_end
-                times.buffer_sync_start, times.buffer_sync_end = sync_start, sync_end
-            else:
-                self.require_forward_param_sync = False
-                if grad_enabled:
-                    # A no_sync forward: its backward accumulates locally. A no-grad forward
-                    # builds no graph, so a pending synced backward stays armed.
-                    self.reducer.skip_backward()
-            return output
+            if self._mixed_precision is not None:
+                inputs, kwargs = self._mixed_precision.cast_inputs(inputs, kwargs)
+            return inputs, kwargs
+
+    @torch.compiler.disable
+    def _post_forward(self, output: Any) -> Any:
+        """Arm the reducer for the backward through ``output`` (or not, under ``no_sync``).
+
+        ``require_backward_grad_sync`` is read again here, after the module ran: Lightning's
+        manual optimization clears it from inside the forward and arms the reducer itself
+        (``reducer.prepare_for_backward``), as torch's DDP allows.
+        """
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and self.require_backward_grad_sync:
+            self.require_forward_param_sync = True
+            forward_end = now()
+            self.reducer.prepare_for_backward(output)
+            times = self.reducer.times
+            times.forward_start, times.forward_end = self._forward_start, forward_end
+            times.buffer_sync_start, times.buffer_sync_end = self._sync_start, self._sync_end
+        else:
+            self.require_forward_param_sync = False
+            if grad_enabled:
+                # A no_sync forward: its backward accumulates locally. A no-grad forward
+                # builds no graph, so a pending synced backward stays armed.
+                self.reducer.skip_backward()
+        return output
 
     def will_sync_module_buffers(self) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._synced_buffers)
@@ -253,18 +302,26 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch's contract)."""
+        try:
+            self._check_can_register(hook)
+        except (TypeError, ValueError, RuntimeError) as error:
+            self._logged_error = str(error)  # torch's logging data reports the last error
+            raise
+        self.reducer.register_comm_hook(state, hook)
+
+    def _check_can_register(self, hook: Callable[..., Any]) -> None:
         check_comm_hook(hook)
         if self.reducer.comm_hook is not None:
             raise RuntimeError(
-                "A comm hook is already registered on this DistributedDataParallel; register_comm_hook "
-                "can be called only once. Compose hooks inside one function instead."
+                "register_comm_hook or register_builtin_comm_hook can only be called once. A comm hook "
+                f"({self.reducer.hook_name}) is already registered on this DistributedDataParallel (rank "
+                f"{self.reducer.rank}); compose hooks inside one function instead."
             )
         if self.reducer.iteration > 0 or self.reducer.state is not ReducerState.IDLE:
             raise RuntimeError(
                 f"register_comm_hook was called after training started (rank {self.reducer.rank}, "
                 f"iteration {self.reducer.iteration}); register the hook before the first forward."
             )
-        self.reducer.register_comm_hook(state, hook)
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> DDPStats:
@@ -323,6 +380,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        if self.skip_all_reduce_unused_params:
+            raise RuntimeError(
+                "skip_all_reduce_unused_params cannot be combined with join: a joined rank does not know "
+                "which buckets the ranks still training skip, so their collectives would not match. "
+                "Construct DistributedDataParallel without skip_all_reduce_unused_params to use join."
+            )
         if self.reducer.desync is not None:
             raise RuntimeError(
                 "Desync detection cannot be combined with join: joined ranks deliberately issue "
@@ -340,7 +403,11 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _set_static_graph(self) -> None:
         if self.reducer.iteration > 0 or self.reducer.state is not ReducerState.IDLE:
-            raise RuntimeError("_set_static_graph() must be called before the first forward.")
+            raise RuntimeError(
+                "set_static_graph() should be called before training loop starts and after "
+                f"DistributedDataParallel is constructed (rank {self.reducer.rank}, iteration "
+                f"{self.reducer.iteration}); pass static_graph=True to the constructor instead."
+            )
         self.static_graph = True
         self._reducer_config["static_graph"] = True
         self.reducer.remove_hooks()
@@ -350,9 +417,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __getstate__(self) -> dict[str, Any]:
         if self.process_group is not dist.group.WORLD:
             raise RuntimeError(
-                "Pickling or deep-copying a gradsync DistributedDataParallel is only supported with the "
-                "default process group: a process group cannot be pickled. Pickle ddp.module instead and "
-                "wrap the copy again."
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process "
+                "group. That is, when you have called init_process_group and have not passed "
+                "process_group argument to DDP constructor. A process group cannot be pickled: pickle "
+                "ddp.module instead and wrap the copy again."
             )
         state = self.__dict__.copy()
         # Autograd hook handles and the group are per-process; they are rebuilt on load.
@@ -361,13 +429,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)
         self.process_group = dist.group.WORLD
         self.reducer = self._make_reducer()
         watch.watch(self.module, self._on_module_changed)
 
     def train(self, mode: bool = True) -> DistributedDataParallel:
-        super().train(mode)
+        nn.Module.train(self, mode)
         return self
 
 

@@ -61,11 +61,20 @@ class BucketStorage:
         "_data_ptr",
     )
 
-    def __init__(self, param_indices: list[int], params: list[torch.Tensor], sparse: bool, lone_in_place: bool = False):
+    def __init__(
+        self,
+        param_indices: list[int],
+        params: list[torch.Tensor],
+        sparse: bool,
+        lone_in_place: bool = False,
+        dtype: torch.dtype | None = None,
+    ):
         """``lone_in_place``: a one-parameter dense bucket is normally reduced in that parameter's
         ``.grad`` (``untouched``), so its flat buffer is allocated uninitialised and costs no resident
-        memory until a fallback writes it (every path writes the whole buffer before reading it)."""
-        self.untouched = lone_in_place and not sparse and len(params) == 1
+        memory until a fallback writes it (every path writes the whole buffer before reading it).
+        ``dtype``: the flat buffer's, when reductions run in another precision than the parameters'."""
+        dtype = dtype or params[0].dtype
+        self.untouched = lone_in_place and not sparse and len(params) == 1 and dtype == params[0].dtype
         self.param_indices = param_indices
         self.params = params
         self.sparse = sparse
@@ -76,11 +85,11 @@ class BucketStorage:
             total += param.numel()
         if sparse:
             # A sparse gradient cannot live in a dense flat buffer: it is reduced as it is.
-            self.flat = torch.empty(0, dtype=params[0].dtype, device=params[0].device)
+            self.flat = torch.empty(0, dtype=dtype, device=params[0].device)
             self.views: list[torch.Tensor] = []
         else:
             allocate = torch.empty if self.untouched else torch.zeros
-            self.flat = allocate(total, dtype=params[0].dtype, device=params[0].device)
+            self.flat = allocate(total, dtype=dtype, device=params[0].device)
             self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
         self._data_ptr = self.flat.data_ptr()
         # See [Note: one pass per gradient] in bucket_set.py. benchmarks/copy_in.py measured the
@@ -146,7 +155,10 @@ class GradBucket:
 def check_comm_hook(hook: Callable[..., Any]) -> None:
     """Reject what torch's DDP rejects at registration: non-callables and wrong annotations."""
     if not callable(hook):
-        raise TypeError(f"comm hook must be callable as hook(state, bucket), got {type(hook).__name__}.")
+        raise TypeError(
+            f"Communication hook must be callable. Got {type(hook).__name__}; pass a function "
+            "hook(state, bucket) -> torch.futures.Future[torch.Tensor]."
+        )
     try:
         signature = inspect.signature(hook)
     except (TypeError, ValueError):
@@ -155,11 +167,12 @@ def check_comm_hook(hook: Callable[..., Any]) -> None:
     if bucket is not None and bucket.annotation is not inspect.Parameter.empty:
         if "GradBucket" not in str(getattr(bucket.annotation, "__name__", bucket.annotation)):
             raise ValueError(
-                f"comm hook {hook.__qualname__}: the 'bucket' argument is annotated as "
-                f"{bucket.annotation!r}; it must be a GradBucket (torch.distributed.GradBucket)."
+                "Communication hook: bucket annotation should be dist.GradBucket. "
+                f"{hook.__qualname__} annotates 'bucket' as {bucket.annotation!r}."
             )
     returned = signature.return_annotation
     if returned is not inspect.Signature.empty and "Future" not in str(returned):
         raise ValueError(
-            f"comm hook {hook.__qualname__}: return annotation {returned!r} must be torch.futures.Future[torch.Tensor]."
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
+            f"{hook.__qualname__} is annotated to return {returned!r}."
         )

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .bucket_set import BucketSet
+from .errors import add_note, hook_not_future
 from .grad_bucket import GradBucket
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
@@ -38,15 +39,16 @@ def start_dense(
     hook_state: Any,
     rank: int,
     iteration: int,
-) -> tuple[Any, list[str]]:
-    """Start dense bucket ``b``: ``(pending, error messages)``; pending is a work handle, a hook's
-    future, or None when the start itself failed.
+) -> tuple[Any, list[str | Exception]]:
+    """Start dense bucket ``b``: ``(pending, errors)``; pending is a work handle, a hook's
+    future, or None when the start itself failed. An exception a comm hook raised comes back as
+    itself (with a note saying where), so backward() re-raises the hook's own exception type.
 
     Without a hook the gradients are divided before summing, so low-precision gradients cannot
     overflow; a hook receives them undivided, as torch's hooks expect (``divisor`` is then 1).
     """
     where = f"rank {rank}, iteration {iteration}"
-    errors: list[str] = []
+    errors: list[str | Exception] = []
     storage = buckets.storages[b]
     target = None
     if hook is None:
@@ -70,9 +72,13 @@ def start_dense(
             return None, [*errors, f"all-reduce failed on bucket {b}: {error}"]
     bucket = GradBucket(b, storage.flat, storage, is_last=b == len(buckets.storages) - 1)
     try:
-        return hook(hook_state, bucket), errors
-    except Exception as error:  # noqa: BLE001 - surfaced from backward() with context
-        return None, [*errors, f"comm hook {hook_name(hook)} raised on bucket {b} on rank {rank}: {error!r}"]
+        result = hook(hook_state, bucket)
+    except Exception as error:  # noqa: BLE001 - re-raised from backward() once every bucket was launched
+        add_note(error, f"gradsync: raised by comm hook {hook_name(hook)} on bucket {b} ({where})")
+        return None, [*errors, error]
+    if not isinstance(result, torch._C.Future):  # torch.futures.Future and what .get_future() returns
+        return None, [*errors, RuntimeError(hook_not_future(hook_name(hook), result, b, rank, iteration))]
+    return result, errors
 
 
 def start_sparse(

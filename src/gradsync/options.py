@@ -19,11 +19,13 @@ from .buckets import bucket_caps_bytes
 
 def resolve_process_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
     if process_group is not None and device_mesh is not None:
-        raise RuntimeError("Pass either process_group or device_mesh to DistributedDataParallel, not both.")
+        raise RuntimeError(
+            "Cannot specify both process_group and device_mesh arguments. Pass one of them to DistributedDataParallel."
+        )
     if device_mesh is not None:
         if device_mesh.ndim != 1:
             raise RuntimeError(
-                f"DistributedDataParallel takes a 1-D device_mesh, got {device_mesh.ndim} dimensions; "
+                f"Only 1D device mesh is supported, but got a {device_mesh.ndim}-D one; "
                 "slice the data-parallel dimension out first (mesh['dp'])."
             )
         return device_mesh.get_group(mesh_dim=0)
@@ -39,18 +41,21 @@ def check_parameters(module: nn.Module, named_params: list[tuple[str, nn.Paramet
     for name, param in module.named_parameters():
         if isinstance(param, nn.parameter.UninitializedParameter):
             raise RuntimeError(
-                f"Parameter '{name}' is not initialized yet (a lazy module). Run one forward pass "
-                "on a dummy batch before wrapping the model in DistributedDataParallel."
+                "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
+                f"Parameter '{name}' is not initialized yet (a lazy module): run one forward pass on a "
+                "dummy batch before wrapping the model."
             )
     if not named_params:
         raise RuntimeError(
-            "DistributedDataParallel got a module with no parameter that requires grad; there is "
-            "nothing to synchronise. Check requires_grad, or do not wrap this module."
+            "DistributedDataParallel is not needed when a module doesn't have any parameter that "
+            "requires a gradient: there is nothing to synchronise. Check requires_grad, or do not wrap "
+            "this module."
         )
     device_types = {p.device.type for _, p in named_params}
     if len(device_types) > 1:
         raise ValueError(
-            f"DistributedDataParallel needs every parameter on one device type, got {sorted(device_types)}. "
+            "DistributedDataParallel's input module must be on the same type of devices, but input "
+            f"module parameters locate in {sorted(device_types)}. "
             "Move the whole module to one device (module.to(device)) before wrapping."
         )
     for name, param in named_params:
@@ -62,8 +67,9 @@ def check_parameters(module: nn.Module, named_params: list[tuple[str, nn.Paramet
     for name, sub in module.named_modules():
         if type(sub) is nn.SyncBatchNorm and next(iter(device_types)) == "cpu":
             raise ValueError(
-                f"Module '{name}' is torch.nn.SyncBatchNorm, which only runs on GPU. "
-                "On CPU use plain BatchNorm or a CPU-capable SyncBatchNorm."
+                f"SyncBatchNorm layers only work with GPU modules: module '{name}' is "
+                "torch.nn.SyncBatchNorm on CPU. Use gradsync.convert_sync_batchnorm (which runs on CPU) "
+                "or plain BatchNorm."
             )
 
 
@@ -75,6 +81,7 @@ def resolve_device(
     device = next(iter(devices))
     if device_ids is not None and len(device_ids) > 1:
         raise ValueError(
+            "device_ids can only be None or contain a single element. "
             f"device_ids={list(device_ids)}: one process driving several devices is not supported "
             "(torch dropped it too). Launch one process per device with torchrun and pass "
             "device_ids=[local_rank]."
@@ -83,7 +90,11 @@ def resolve_device(
         where = "a CPU module" if device.type == "cpu" else "a module spread over several devices"
         for arg, value in (("device_ids", device_ids), ("output_device", output_device)):
             if value is not None:
-                raise ValueError(f"{arg} must be None for {where}, got {value!r}.")
+                raise ValueError(
+                    "DistributedDataParallel device_ids and output_device arguments only work with "
+                    "single-device/multiple-device GPU modules or CPU modules, but got "
+                    f"{arg}={value!r} for {where}; leave {arg} as None."
+                )
         return None
     if not device_ids:
         return None
@@ -126,30 +137,58 @@ def resolve_caps(bucket_cap_mb: float | str | None, bucket_cap_mb_list: Sequence
     return bucket_caps_bytes(bucket_cap_mb, bucket_cap_mb_list)
 
 
-def reject_unsupported(
-    *,
-    check_reduction: bool,
-    delay_all_reduce_named_params: Any,
-    param_to_hook_all_reduce: Any,
-    mixed_precision: Any,
-    skip_all_reduce_unused_params: bool,
-) -> None:
+def warn_deprecated(check_reduction: bool) -> None:
     if check_reduction:
         warnings.warn(
             "check_reduction is deprecated and has no effect; gradsync always checks that every parameter was reduced.",
             FutureWarning,
             stacklevel=4,
         )
+
+
+def resolve_delayed(
+    named_params: list[tuple[str, nn.Parameter]],
+    sparse: list[bool],
+    delay_all_reduce_named_params: Any,
+    param_to_hook_all_reduce: Any,
+) -> tuple[frozenset[int], int | None]:
+    """(indices of the delayed parameters, index of the hook parameter) in ``named_params``.
+
+    See [Note: delayed all-reduce] in bucket_set.py.
+    """
     if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
         raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce must be given together.")
-    unsupported = {
-        "delay_all_reduce_named_params": delay_all_reduce_named_params is not None,
-        "mixed_precision": mixed_precision is not None,
-        "skip_all_reduce_unused_params": bool(skip_all_reduce_unused_params),
-    }
-    for name, given in unsupported.items():
-        if given:
-            raise NotImplementedError(
-                f"gradsync.DistributedDataParallel does not support {name} yet; leave it at its default "
-                "(or use torch.nn.parallel.DistributedDataParallel for this feature)."
+    if delay_all_reduce_named_params is None:
+        return frozenset(), None
+    index_of = {id(p): i for i, (_, p) in enumerate(named_params)}
+    delayed = set()
+    for entry in delay_all_reduce_named_params:
+        name, param = entry
+        if id(param) not in index_of:
+            raise ValueError(
+                f"delay_all_reduce_named_params names '{name}', which is not a trainable, non-ignored "
+                "parameter of the wrapped module; pass (name, parameter) pairs from module.named_parameters()."
             )
+        if sparse[index_of[id(param)]]:
+            raise ValueError(f"delay_all_reduce_named_params: '{name}' has sparse gradients, which cannot be delayed.")
+        delayed.add(index_of[id(param)])
+    if id(param_to_hook_all_reduce) not in index_of:
+        raise ValueError(
+            "param_to_hook_all_reduce must be a trainable, non-ignored parameter of the wrapped module: the "
+            "delayed all-reduce starts once its gradient is ready."
+        )
+    return frozenset(delayed), index_of[id(param_to_hook_all_reduce)]
+
+
+def check_reduce_dtype(
+    reduce_dtype: torch.dtype | None, named_params: list[tuple[str, nn.Parameter]], gradient_as_bucket_view: bool
+) -> None:
+    if reduce_dtype is None or not gradient_as_bucket_view:
+        return
+    other = [name for name, p in named_params if p.dtype != reduce_dtype]
+    if other:
+        raise ValueError(
+            f"gradient_as_bucket_view=True cannot be combined with mixed_precision reducing in {reduce_dtype}: "
+            f"the .grad of {other[:3]} (dtype {named_params[0][1].dtype}) cannot be a view of a {reduce_dtype} "
+            "bucket. Pass gradient_as_bucket_view=False."
+        )

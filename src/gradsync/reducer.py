@@ -34,7 +34,6 @@ callback itself, still on the outer backward.
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import warnings
 from typing import Any
@@ -43,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from . import errors, graph, launch
+from . import errors, graph, launch, ownership
 from .agreement import agree_on_used
 from .bucket_set import BucketSet
 from .debug import DesyncDetector, Position
@@ -77,6 +76,10 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         static_graph: bool,
+        skip_all_reduce_unused_params: bool = False,
+        delayed: frozenset[int] = frozenset(),
+        delay_after: int | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
@@ -92,8 +95,19 @@ class Reducer:
         # Reducing lone large gradients in place needs no hook; hooks are registered after
         # construction, so the rebuild decides again.
         self.buckets = BucketSet(
-            self.params, sparse, list(reversed(range(len(self.params)))), caps, reduce_lone_in_place=True
+            self.params,
+            sparse,
+            list(reversed(range(len(self.params)))),
+            caps,
+            reduce_lone_in_place=True,
+            delayed=delayed,
+            reduce_dtype=reduce_dtype,
+            delay_after=delay_after,
         )
+        # torch's contract: the unused set is the same on every rank, so every rank skips the same buckets.
+        self.skip_unused = skip_all_reduce_unused_params
+        self._known_unused: set[int] = set()
+        self.initial_bucket_sizes = [s.nbytes for s in self.buckets.storages]
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
         self.state = ReducerState.IDLE
@@ -115,11 +129,16 @@ class Reducer:
         self.desync: DesyncDetector | None = None
         self.phase = "construction"  # named in errors when a collective fails
         self._warned_nothing_unused = False
+        # can_set_static_graph: the same parameters unused in every synced iteration so far.
+        self.graph_static = True
+        self._last_unused: tuple[int, ...] | None = None
+        self._never_used: list[bool] | None = None  # static_graph: used on some rank in iteration 0
+        self.retired = False  # replaced by a newer reducer of the same parameters
+        self.last_error: str | None = None  # torch's logging data reports it as "error"
         self._reset_iteration()
-        self._grad_hook_handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))
-            for i, p in enumerate(self.params)
-        ]
+        self._grad_hooks = ownership.GradHooks(self, self.params)
+        for previous in ownership.claim(self, self.params):
+            previous.retire()
 
     # ------------------------------------------------------------------ lifecycle
     def _reset_iteration(self) -> None:
@@ -130,7 +149,8 @@ class Reducer:
         self._pending = [len(b.params) for b in self.buckets.storages]
         self._next_bucket = 0
         self._results: list[Any] = []
-        self._errors: list[str] = []
+        self._errors: list[str | Exception] = []
+        self._known_unused = set()
         self._divisor = float(self.world_size)
         self.times = IterationTimes(len(self.buckets.storages))
         self.buckets.begin_iteration()
@@ -139,16 +159,24 @@ class Reducer:
         """Called before every grad-enabled forward: check the last backward, rebuild once."""
         if self.state is ReducerState.REDUCING:
             raise RuntimeError(errors.backward_never_finished(self.rank, self.iteration))
-        if self._rebuild.pending and self.iteration >= 1:
-            self._rebuild_buckets()
+        self._rebuild_buckets()
 
     def prepare_for_backward(self, output: Any) -> None:
-        """After a synced forward: expect the next backward through ``output`` to reduce."""
+        """After a synced forward: expect the next backward through ``output`` to reduce.
+
+        Also torch's ``Reducer.prepare_for_backward(tensors)``, which frameworks call to arm a
+        backward whose forward ran unsynced (Lightning's manual optimization, Accelerate's
+        ``trigger_sync_in_backward``). With no tensors nothing tells which parameters the coming
+        backward uses; with ``find_unused_parameters`` those that report nothing by the end of it
+        count as unused.
+        """
         for handle in self._output_hook_handles:
             handle.remove()
         roots = graph.output_grad_fns(output)
         self._output_hook_handles = [node.register_prehook(self._on_output_backward) for node in roots]
-        if self.find_unused and not self.static_graph:
+        if self.find_unused and not self.static_graph and not roots:
+            self._forward_unused = None
+        elif self.find_unused and not self.static_graph:
             reached = graph.reachable_leaves(roots)
             unused = {i for i, p in enumerate(self.params) if id(p) not in reached}
             # Several forwards before one backward: a parameter used by any of them is used.
@@ -240,6 +268,7 @@ class Reducer:
             unused = self._static.unused
         else:
             unused = self._forward_unused or set()
+        self._known_unused = unused
         for index in sorted(unused):
             self._marked_unused.add(index)
             self._mark_ready(index)
@@ -268,7 +297,9 @@ class Reducer:
             if self.desync is not None:
                 what = f"all-reduce of bucket {b}"
                 self.desync.check(Position(what, self.synced_forwards, storage.flat.numel(), str(storage.flat.dtype)))
-            if storage.sparse:
+            if self.skip_unused and self._known_unused and self._known_unused.issuperset(storage.param_indices):
+                self._results.append(None)  # skip_all_reduce_unused_params: no collective, .grad untouched
+            elif storage.sparse:
                 sparse = launch.start_sparse(
                     self.buckets, b, self._take_divisor, self.process_group, self.comm_hook, self.comm_hook_state
                 )
@@ -336,7 +367,7 @@ class Reducer:
         for index in missing:
             self._marked_unused.add(index)
             self._mark_ready(index)
-        globally_used = None
+        globally_used = self._never_used  # static graph: parameters no rank used keep .grad None
         if agree_used:
             globally_used = agree_on_used(
                 self._used_since_sync, self.process_group, self.buckets.device, self.desync, self.synced_forwards
@@ -355,15 +386,29 @@ class Reducer:
             if globally_used is not None:
                 never = [self.names[i] for i, used in enumerate(globally_used) if not used]
                 if never:
+                    self._never_used = list(globally_used)
                     logger.info("static graph: parameters unused on every rank: %s", never)
         self._used_since_sync = [False] * len(self.params)
         self._record_iteration()
         self.iteration += 1
         if self._errors:
-            message = "; ".join(dict.fromkeys(self._errors))
-            if any(" failed on bucket " in e for e in self._errors):
-                message = self.collective_failure_message(message, iteration=self.iteration - 1)
-            raise RuntimeError(message)
+            self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        """Raise what went wrong in this backward: a comm hook's own exception first, as itself."""
+        exceptions = [e for e in self._errors if isinstance(e, BaseException)]
+        messages = list(dict.fromkeys(e for e in self._errors if isinstance(e, str)))
+        if exceptions:
+            error = exceptions[0]
+            for message in messages:
+                errors.add_note(error, message)
+            self.last_error = str(error)
+            raise error
+        message = "; ".join(messages)
+        if any(" failed on bucket " in e for e in messages):
+            message = self.collective_failure_message(message, iteration=self.iteration - 1)
+        self.last_error = message
+        raise RuntimeError(message)
 
     def collective_failure_message(self, detail: str, iteration: int | None = None) -> str:
         """Where this rank was when a collective failed, and which ranks are gone."""
@@ -374,7 +419,11 @@ class Reducer:
     def _record_iteration(self) -> None:
         times = self.times
         times.finalize_end = now()
-        unused = tuple(self.names[i] for i in sorted(self._marked_unused))
+        unused_indices = tuple(sorted(self._marked_unused))
+        if self._last_unused is not None and unused_indices != self._last_unused:
+            self.graph_static = False
+        self._last_unused = unused_indices
+        unused = tuple(self.names[i] for i in unused_indices)
         self.running.add(times, self.buckets.nbytes, unused)
         if self.timeline is not None:
             self.timeline.add_iteration(self.iteration, times, [s.nbytes for s in self.buckets.storages])
@@ -387,8 +436,14 @@ class Reducer:
     def rebuilt(self) -> bool:
         return self._rebuild.done
 
-    def _rebuild_buckets(self) -> None:
-        """[Note: bucket rebuild] in rebuild.py."""
+    def _rebuild_buckets(self) -> bool:
+        """Rebuild the buckets once, after the first synced backward; True if this call did.
+
+        [Note: bucket rebuild] in rebuild.py. Also torch's ``Reducer._rebuild_buckets()``, which
+        Lightning calls before every manual backward: every call after the rebuild is a no-op.
+        """
+        if not self._rebuild.pending or self.iteration < 1 or self.state is ReducerState.REDUCING:
+            return False
         self.phase = "the one-time bucket rebuild broadcast"
         rebuild = self._rebuild
         try:
@@ -400,6 +455,7 @@ class Reducer:
         self.buckets = rebuild.apply(self.buckets, order, self.caps, self.as_view, in_place)
         self._reset_iteration()
         logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))
+        return True
 
     # ------------------------------------------------------------------ errors
     def _twice_error(self, index: int) -> str:
@@ -418,7 +474,33 @@ class Reducer:
         self.comm_hook = hook
 
     def remove_hooks(self) -> None:
-        for handle in self._grad_hook_handles + self._output_hook_handles:
+        self._grad_hooks.remove()
+        for handle in self._output_hook_handles:
             handle.remove()
-        self._grad_hook_handles = []
         self._output_hook_handles = []
+
+    def retire(self) -> None:
+        """A newer reducer took over these parameters ([Note: discarded wrappers] in ownership.py)."""
+        self.remove_hooks()
+        self.retired = True
+
+    # ------------------------------------------------------------------ torch's Reducer API
+    def _delay_all_reduce(self) -> None:
+        """torch's first-static-graph-iteration flush: every bucket reduced before this returns.
+
+        gradsync's end-of-backward callback does this by itself; called inside a backward it
+        finalizes now, called after one (Lightning's manual optimization) it has nothing left to do.
+        """
+        if self.state is ReducerState.REDUCING:
+            self._finalize_callback()
+
+    def _ddp_graph_static(self) -> bool:
+        """Whether every synced iteration so far left the same parameters unused."""
+        return self.graph_static
+
+    def _remove_autograd_hooks(self) -> None:
+        self.remove_hooks()
+
+    def _check_reducer_finalized(self) -> None:
+        if self.state is ReducerState.REDUCING:
+            raise RuntimeError(errors.backward_never_finished(self.rank, self.iteration))

@@ -20,6 +20,10 @@ def ignore(module: nn.Module, names: Iterable[str]) -> None:
     setattr(module, IGNORE_ATTR, list(names))
 
 
+def ignored(module: nn.Module) -> set[str]:
+    return set(getattr(module, IGNORE_ATTR, ()))
+
+
 def parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Trainable, not ignored, each shared parameter once, in registration order."""
     ignored = set(getattr(module, IGNORE_ATTR, ()))
