@@ -2,6 +2,8 @@
 
 from .ddp import DistributedDataParallel
 from .grad_bucket import GradBucket
+from .install import install, installed, uninstall
+from .install import install_from_env as _install_from_env
 from .naive import NaiveDataParallel
 from .stats import BucketInfo, DDPStats
 from .sync_batchnorm import SyncBatchNorm
@@ -17,6 +19,12 @@ __all__ = [
     "NaiveDataParallel",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
+    "install",
+    "installed",
     "trace",
+    "uninstall",
 ]
 __version__ = "0.1.0"
+
+# GRADSYNC_INSTALL=1: a launch script asks for install() without calling it (install.py).
+_install_from_env()
