@@ -8,10 +8,10 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints-dev.txt setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev,examples]"
+	$(PY) -m pip install -q -c constraints-dev.txt -e ".[dev,examples,integrations]"
 	touch $(STAMP)
 
 demo: $(STAMP)
