@@ -33,6 +33,8 @@ import torch.distributed as dist
 
 import gradsync
 
+import link
+
 # GRADSYNC_BENCH_RESULTS redirects scratch runs, so they do not overwrite a kept report.
 BOOTSTRAP_RESAMPLES = 2000
 RESULTS_DIR = Path(os.environ.get("GRADSYNC_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
@@ -245,11 +247,15 @@ def environment_lines(command: str) -> list[str]:
         f"- world size {dist.get_world_size()}, backend {dist.get_backend()}, {os.cpu_count()} CPU cores on the "
         f"machine, torch threads per rank {torch.get_num_threads()}",
         f"- {platform.platform()}",
+        f"- link: {link.describe()}",
     ]
 
 
 def report_path(kind: str, suffix: str = "md") -> Path:
+    """``results/YYYY-MM-DD-KIND[-RATE].SUFFIX``: a shaped link's report does not replace plain loopback's."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    rate = link.current()
+    kind = kind if rate is None else f"{kind}-{rate}"
     return RESULTS_DIR / f"{datetime.date.today().isoformat()}-{kind}.{suffix}"
 
 

@@ -42,6 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync import hooks
 
+import link
 from common import Contender, MachineLoad, environment_lines, interleave, mib, report_path, summarise, today, train_step
 from workloads import WORKLOADS
 
@@ -297,11 +298,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=4, help="iterations per contender before timing (>= 3)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--iters", type=int, default=3, help="iterations per contender per round")
+    parser.add_argument(
+        "--link",
+        help="rate of a shaped loopback link (1gbit, 10gbit, ...): start with python, not torchrun (see link.py)",
+    )
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    link.enter(args.link, nproc=2)  # with --link: runs this script inside a shaped namespace, then exits
     torch.set_num_threads(1)  # one core per rank; extra threads would fight the other rank
     dist.init_process_group(backend="gloo")
     probes = {name: probe(hook) for name, hook in TORCH_PROBES.items()}

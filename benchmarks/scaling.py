@@ -41,6 +41,7 @@ from torch import nn
 
 from gradsync import DistributedDataParallel as GradsyncDDP
 
+import link
 from common import Contender, MachineLoad, interleave, report_path, revision, summarise, today, train_step
 
 CONTENDERS = ("gradsync", "torch_ddp", "no_comm")
@@ -201,6 +202,7 @@ def write_report(runs: dict[int, dict[str, Any]], args: argparse.Namespace, skip
     command = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scaling.py" + (
         "" if args.backend == "gloo" else f" --backend {args.backend}"
     )
+    command += f" --link {args.link}" if args.link else ""
     device = "CPU" if args.backend == "gloo" else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     lines = [
         f"# Scaling: world size and model size ({today()})",
@@ -209,6 +211,7 @@ def write_report(runs: dict[int, dict[str, Any]], args: argparse.Namespace, skip
         "",
         f"- torch {torch.__version__}, Python {sys.version.split()[0]}, commit {revision()}",
         f"- backend {args.backend} on {device}, {os.cpu_count()} CPU cores, torch threads per rank 1",
+        f"- link: {link.describe()}",
         f"- model: {DEPTH} x Linear(w, w), batch {BATCH} per rank, MSE loss, SGD without momentum; "
         "contenders gradsync and torch DDP (default arguments) and no_comm (the bare module), interleaved",
         "- iterations: 5 rounds x 5 below 20 M parameters, 4 x 3 below 50 M, 3 x 2 above; time = slowest rank's",
@@ -234,6 +237,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", nargs="+", type=float, default=[1, 10, 30, 100], help="millions of parameters")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--link",
+        help="rate of a shaped loopback link (1gbit, 10gbit, ...): the whole study runs inside it (link.py)",
+    )
     return parser.parse_args()
 
 
@@ -242,6 +249,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    link.enter(args.link, nproc=None)  # with --link: reruns this launcher inside a shaped namespace
     world_sizes, skipped = list(args.world_sizes), []
     if args.backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -3,6 +3,7 @@
 Run (about 7 minutes on a quiet 2-core machine; it waits for other processes to idle):
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/suite.py
+    python benchmarks/suite.py --link 1gbit    # on a shaped link (root; link.py)
 
 Per workload (``workloads.py``: ``mlp_many_small``, ``cnn_bn``, ``transformer``,
 ``large_grad``), synthetic data, fixed seeds, after waiting until other processes leave
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import contenders
+import link
 import overhead
 import rss
 from common import (
@@ -59,6 +61,7 @@ from workloads import WORKLOADS, Workload, gradient_size
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/suite.py"
 BATCHES_PER_RANK = 4  # distinct batches cycled through
 RAW = "raw_allreduce"
+FORWARD = "forward_only"
 
 
 @dataclass
@@ -93,6 +96,18 @@ def raw_allreduce(nbytes: int) -> Contender:
     return Contender(RAW, lambda i: dist.all_reduce(flat))
 
 
+def forward_only(workload: Workload, base: torch.nn.Module, batches: list[Any]) -> Contender:
+    """Forward and loss of the bare module with autograd recording, no backward: the part of a step
+    before which no gradient exists, so no communication can start."""
+    model = copy.deepcopy(base)
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        workload.loss(model(x), y)  # the graph is built, then dropped
+
+    return Contender(FORWARD, step)
+
+
 def sweep(workload: Workload, base: torch.nn.Module, batches: list[Any], caps: list[Cap], args: Any) -> Any:
     by_name = {contenders.sweep_name(cap): cap for cap in caps}
     runs = [make_contender(name, workload, base, batches, cap) for name, cap in by_name.items()]
@@ -118,8 +133,8 @@ def measure(workload: Workload, caps: list[Cap], args: Any) -> WorkloadResult:
     sweep_samples, best = sweep(workload, base, batches, caps, args)
     gc.collect()
     runs = [make_contender(name, workload, base, batches, best) for name in CONTENDERS]
-    if workload.name == "large_grad":
-        runs.append(raw_allreduce(gradient_size(workload)[2]))
+    # For the lower bound of an exact reducer (bound_lines) and, on large_grad, the bandwidth.
+    runs += [raw_allreduce(gradient_size(workload)[2]), forward_only(workload, base, batches)]
     before: dict[str, tuple[int, float, float]] = {}
     iters = args.iters or workload.iters
     samples = interleave(
@@ -195,6 +210,35 @@ def memory_cells(mem: dict[str, float] | None, floor: dict[str, float] | None) -
     )
 
 
+def bound_ms(result: WorkloadResult) -> tuple[float, float, float, float]:
+    """(bound, no_comm, forward, one flat all-reduce of every gradient) medians in ms."""
+    no_comm, forward, flat = (summarise(result.samples[n]).median_ms for n in ("no_comm", FORWARD, RAW))
+    return max(no_comm, forward + flat), no_comm, forward, flat
+
+
+def bound_lines(results: dict[str, WorkloadResult]) -> list[str]:
+    lines = [
+        "An exact (uncompressed) reducer cannot beat either of two limits, so its step takes at least",
+        "`bound = max(no_comm, forward + flat all-reduce)`:",
+        "",
+        "- `no_comm`: the step without communication (the compute);",
+        "- `forward + flat all-reduce`: no gradient exists before backward starts, i.e. before forward ends",
+        f"  (`{FORWARD}`: forward and loss of the bare module, median), and every gradient byte must then cross",
+        f"  the link (`{RAW}`: one `dist.all_reduce` of a flat buffer of all gradients, median, in the same rounds).",
+        "  Perfect overlap would hide all of backward and the optimizer step behind that all-reduce.",
+        "",
+        "Each contender's median over the bound (1.00 = at the limit):",
+        "",
+        "| workload | bound ms | no_comm | forward | flat all-reduce | " + " | ".join(CONTENDERS) + " |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(CONTENDERS),
+    ]
+    for workload, result in results.items():
+        bound, no_comm, forward, flat = bound_ms(result)
+        ratios = " | ".join(f"{summarise(result.samples[n]).median_ms / bound:.2f}" for n in CONTENDERS)
+        lines.append(f"| {workload} | {bound:.1f} | {no_comm:.1f} | {forward:.1f} | {flat:.1f} | {ratios} |")
+    return lines
+
+
 def sweep_table(results: dict[str, WorkloadResult]) -> list[str]:
     lines = ["| workload | setting | median ms | p90 ms | chosen |", "|---|---|---:|---:|:---:|"]
     for workload, result in results.items():
@@ -266,6 +310,8 @@ def write_chart(results: dict[str, WorkloadResult], path: Path) -> None:
 
 def write_report(results: dict[str, WorkloadResult], memory: Any, over: Any, load: MachineLoad, args: Any) -> Path:
     command = " ".join([COMMAND, *sys.argv[1:]])  # the exact invocation, options included
+    if link.current() is not None:  # started as python, which started torchrun inside the namespace
+        command = " ".join(["python benchmarks/suite.py", *sys.argv[1:]])
     lines = [f"# Benchmark suite: gradsync vs torch DDP ({today()})", "", *environment_lines(command)]
     lines += [
         f"- machine load over all workloads: {load.describe()}; before each workload the suite waits until "
@@ -299,6 +345,7 @@ def write_report(results: dict[str, WorkloadResult], memory: Any, over: Any, loa
         )
     chart = report_path("suite", "png")
     lines += ["", "## Iteration time and memory", "", f"![ratios]({chart.name})", "", *results_table(results, memory)]
+    lines += ["", "## Distance to the limit", "", *bound_lines(results)]
     lines += ["", "## Bucket-cap sweep (gradient_as_bucket_view=True)", "", *sweep_table(results)]
     if "large_grad" in results:
         lines += ["", "## large_grad: achieved all-reduce bandwidth", ""]
@@ -344,11 +391,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--rss-only", choices=CONTENDERS, help="measure one contender's peak RSS and exit")
     parser.add_argument("--cap", type=parse_cap, default=None, help="bucket_cap_mb for --rss-only gradsync_best")
+    parser.add_argument(
+        "--link",
+        help="rate of a shaped loopback link (1gbit, 10gbit, ...): start with python, not torchrun (see link.py)",
+    )
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    link.enter(args.link, nproc=2)  # with --link: runs this script inside a shaped namespace, then exits
     torch.set_num_threads(1)  # one core per rank; extra threads would fight the other rank
     dist.init_process_group(backend="gloo")
     if args.rss_only:

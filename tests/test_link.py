@@ -1,0 +1,98 @@
+"""benchmarks/link.py: the shaped-link namespace is created and removed on every exit path, and
+every benchmark contender still produces identical replicas on a shaped link."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import link  # noqa: E402
+
+MISSING = link.missing()
+needs_link = pytest.mark.skipif(MISSING is not None, reason=f"a shaped link {MISSING}")
+
+
+def _namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def test_rates_are_checked_before_anything_is_created() -> None:
+    assert link.parse_rate("2.5GBit") == "2.5gbit"
+    with pytest.raises(ValueError, match="give a rate as tc spells it"):
+        link.parse_rate("1 gigabit")
+
+
+def test_without_root_one_line_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv(link.ENV_VAR, raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        link.enter("1gbit", nproc=2)
+    message = str(exit_info.value)
+    assert "needs root" in message and "plain loopback still works" in message and "\n" not in message
+
+
+def test_plain_loopback_is_untouched() -> None:
+    link.enter(None, nproc=2)  # no --link: returns, creates nothing
+
+
+@needs_link
+@pytest.mark.timeout(60)
+def test_namespace_is_shaped_and_removed_even_on_error() -> None:
+    with pytest.raises(RuntimeError, match="inside"):
+        with link.shaped_namespace("1gbit") as name:
+            assert name in _namespaces()
+            qdisc = subprocess.run(
+                ["ip", "netns", "exec", name, "tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True
+            ).stdout
+            assert re.search(r"tbf .* rate 1Gbit", qdisc), qdisc
+            raise RuntimeError("a failure inside")
+    assert name not in _namespaces()
+
+
+@needs_link
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_run_removes_its_namespace_and_its_processes(sig: signal.Signals) -> None:
+    code = "import link; link.run_inside('1gbit', ['sleep', '120'])"
+    runner = subprocess.Popen([sys.executable, "-c", code], cwd=BENCHMARKS)
+    prefix = f"gs-bench-{runner.pid}-"
+    deadline = time.monotonic() + 20
+    while not any(n.startswith(prefix) for n in _namespaces()):
+        assert time.monotonic() < deadline, "the namespace never appeared"
+        time.sleep(0.1)
+    time.sleep(0.5)  # let the child start
+    runner.send_signal(sig)
+    runner.wait(timeout=30)
+    assert not any(n.startswith(prefix) for n in _namespaces())
+    sleepers = subprocess.run(["pgrep", "-f", "^sleep 120$"], capture_output=True, text=True).stdout.split()
+    assert not sleepers, "the child survived its runner"
+
+
+@needs_link
+@pytest.mark.timeout(180)
+def test_every_contender_keeps_identical_replicas_on_a_shaped_link(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    job = Path(__file__).resolve().parent / "jobs" / "link_replicas.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    status = link.run_inside("1gbit", [*torchrun, str(job), "--out", str(out)], env)
+    assert status == 0
+    result = json.loads(out.read_text())
+    shaper = result.pop("_shaper")
+    sent = int(re.search(r"Sent (\d+) bytes", shaper).group(1))
+    assert sent > 1_000_000, f"the traffic did not pass the shaper:\n{shaper}"
+    assert set(result) == {"gradsync", "gradsync_best", "torch_ddp", "torch_ddp_view", "naive", "one_allreduce"}
+    assert all(result.values()), result
