@@ -20,9 +20,7 @@ reads RANK/WORLD_SIZE from the environment, which must not leak into the shared 
 from __future__ import annotations
 
 import os
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import pytest
@@ -30,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import gradsync
+from integration_support import assert_equal, gradsync_installed, max_diff, run_each
 
 from harness import run_distributed
 
@@ -82,20 +80,7 @@ SCENARIOS = {
 }
 
 
-@contextmanager
-def _gradsync_installed() -> Iterator[None]:
-    gradsync.install()
-    try:
-        yield
-    finally:
-        gradsync.uninstall()
-
-
 # ---------------------------------------------------------------------------------- in the workers
-def _as_under_torchrun() -> None:
-    """What torchrun sets for a worker; Accelerate's PartialState(cpu=True) detects MULTI_CPU from it."""
-    rank, world = str(dist.get_rank()), str(dist.get_world_size())
-    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, OMP_NUM_THREADS="1")
 
 
 def _dataset() -> torch.utils.data.TensorDataset:
@@ -183,7 +168,7 @@ def _train(
 
 def _run(scenario: Scenario, use_gradsync: bool, save_dir: str, trigger: bool = True) -> dict[str, Any]:
     """One training run with a fresh Accelerator; what the test process compares."""
-    with _gradsync_installed() if use_gradsync else nullcontext():
+    with gradsync_installed() if use_gradsync else nullcontext():
         accelerator = _new_accelerator(scenario)
         torch.manual_seed(1)
         bare = Net(scenario.skip)
@@ -247,15 +232,7 @@ def _scenario(name: str, save_root: str) -> dict[str, Any]:
 
 
 def _all_scenarios(save_root: str) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    _as_under_torchrun()
-    results = {}
-    for name in SCENARIOS:
-        try:
-            results[name] = _scenario(name, save_root)
-        except Exception:  # noqa: BLE001 - that scenario's test reports it; the others still run
-            results[name] = {"error": traceback.format_exc()}
-    return results
+    return run_each(SCENARIOS, _scenario, save_root)
 
 
 # ---------------------------------------------------------------------------------- in pytest
@@ -263,16 +240,6 @@ def _all_scenarios(save_root: str) -> dict[str, Any]:
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     save_root = str(tmp_path_factory.mktemp("accelerate"))
     return run_distributed(_all_scenarios, 2, save_root, timeout_s=RUN_TIMEOUT_S, isolated=True, pg_timeout_s=30)
-
-
-def _assert_equal(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), f"{what}: keys {sorted(a)} != {sorted(b)}"
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{what}: {k} differs by {(a[k] - b[k]).abs().max():.3g}"
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def _same_batches(a: list[list[Batch]], b: list[list[Batch]]) -> bool:
@@ -293,31 +260,31 @@ def test_accelerate_matches_torch_ddp(results: list[dict[str, Any]], name: str) 
     assert theirs["type"] == "torch.nn.parallel.distributed.DistributedDataParallel", theirs["type"]
     assert _same_batches(ours["steps"], theirs["steps"]), "the two runs saw different batches"
     for run in ("torch", "gradsync"):
-        _assert_equal(r0[run]["weights"], r1[run]["weights"], f"{run}: rank 0 vs rank 1 weights")
-        _assert_equal(r0[run]["grads"], r1[run]["grads"], f"{run}: rank 0 vs rank 1 last averaged gradients")
+        assert_equal(r0[run]["weights"], r1[run]["weights"], f"{run}: rank 0 vs rank 1 weights")
+        assert_equal(r0[run]["grads"], r1[run]["grads"], f"{run}: rank 0 vs rank 1 last averaged gradients")
         assert r0[run]["unwrapped_is_bare"], f"{run}: accelerator.unwrap_model did not return the inner module"
         assert r0[run]["state_dict_keys"] == sorted(r0[run]["weights"]), r0[run]["state_dict_keys"]
-    _assert_equal(ours["grads"], theirs["grads"], "gradsync vs torch DDP: last averaged gradients")
+    assert_equal(ours["grads"], theirs["grads"], "gradsync vs torch DDP: last averaged gradients")
     if SCENARIOS[name].loop != "plain":  # the backward that must not sync did not, as with torch's DDP
-        _assert_equal(ours["local_grads"], theirs["local_grads"], "gradsync vs torch DDP: unsynced gradients")
-        assert _max_diff(r0["gradsync"]["local_grads"], r1["gradsync"]["local_grads"]) > 1e-3, "they were synced"
-    _assert_equal(ours["weights"], theirs["weights"], "gradsync vs torch DDP: final weights")
+        assert_equal(ours["local_grads"], theirs["local_grads"], "gradsync vs torch DDP: unsynced gradients")
+        assert max_diff(r0["gradsync"]["local_grads"], r1["gradsync"]["local_grads"]) > 1e-3, "they were synced"
+    assert_equal(ours["weights"], theirs["weights"], "gradsync vs torch DDP: final weights")
     # Against the one-process reference: not bitwise (a mean of per-rank means vs one mean); with
     # the fp16 hook every gradient is rounded to 11 significant bits before averaging (3e-5 here).
     atol = 1e-4 if name == "fp16_comm_hook" else 1e-6
     for rank, r in enumerate(ranks):
-        diff = _max_diff(r["gradsync"]["weights"], r["reference"])
+        diff = max_diff(r["gradsync"]["weights"], r["reference"])
         assert diff <= atol, f"rank {rank}: gradsync is {diff:.3g} from the one-process reference"
         # Teeth: this rank's batches alone (never averaged) end far from the reference.
-        assert _max_diff(r["control"], r["reference"]) > 100 * atol, "the negative control is no control"
-    assert _max_diff(r0["control"], r1["control"]) > 0, "both ranks saw the same data: cross-rank checks prove nothing"
+        assert max_diff(r["control"], r["reference"]) > 100 * atol, "the negative control is no control"
+    assert max_diff(r0["control"], r1["control"]) > 0, "both ranks saw the same data: cross-rank checks prove nothing"
     if "saved" in ours:
-        _assert_equal(ours["saved"], ours["weights"], "accelerator.save_model reloaded into a bare Net")
+        assert_equal(ours["saved"], ours["weights"], "accelerator.save_model reloaded into a bare Net")
     if name == "find_unused_parameters":
         assert not any(k.startswith("mid.") for k in ours["grads"]), sorted(ours["grads"])
         assert torch.equal(ours["weights"]["mid.weight"], ours["init"]["mid.weight"]), "the skipped layer moved"
     if name == "fp16_comm_hook":  # the hook ran: fp32 averaging ends elsewhere
-        assert _max_diff(ours["weights"], results[0]["plain"]["gradsync"]["weights"]) > 0, "fp16 hook had no effect"
+        assert max_diff(ours["weights"], results[0]["plain"]["gradsync"]["weights"]) > 0, "fp16 hook had no effect"
     if name == "trigger_sync_in_backward":  # without the trigger, what isinstance failing did: never averaged
         c0, c1 = r0["gradsync_without_trigger"], r1["gradsync_without_trigger"]
-        assert _max_diff(c0["grads"], c1["grads"]) > 1e-3, "gradients averaged even without trigger_sync_in_backward"
+        assert max_diff(c0["grads"], c1["grads"]) > 1e-3, "gradients averaged even without trigger_sync_in_backward"

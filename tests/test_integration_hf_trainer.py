@@ -23,16 +23,14 @@ test sets RANK/WORLD_SIZE as torchrun would, none of which may leak into the sha
 from __future__ import annotations
 
 import os
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import gradsync
+from integration_support import assert_equal, gradsync_installed, max_diff, run_each
 
 from harness import run_distributed
 
@@ -52,20 +50,7 @@ SCENARIOS = {
 }
 
 
-@contextmanager
-def _gradsync_installed() -> Iterator[None]:
-    gradsync.install()
-    try:
-        yield
-    finally:
-        gradsync.uninstall()
-
-
 # ---------------------------------------------------------------------------------- in the workers
-def _as_under_torchrun() -> None:
-    """What torchrun sets for a worker; TrainingArguments(use_cpu=True) detects MULTI_CPU from it."""
-    rank, world = str(dist.get_rank()), str(dist.get_world_size())
-    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, OMP_NUM_THREADS="1")
 
 
 def _labels(ids: torch.Tensor) -> torch.Tensor:
@@ -146,7 +131,7 @@ def _run(overrides: dict, use_gradsync: bool, out_dir: str) -> dict[str, Any]:
     from transformers import GPT2LMHeadModel, TrainingArguments
 
     GradientState._reset_state()  # TrainingArguments resets the rest of Accelerate's state itself
-    with _gradsync_installed() if use_gradsync else nullcontext():
+    with gradsync_installed() if use_gradsync else nullcontext():
         args = TrainingArguments(
             output_dir=out_dir,
             use_cpu=True,
@@ -222,17 +207,9 @@ def _scenario(name: str, out_root: str) -> dict[str, Any]:
 def _all_scenarios(out_root: str) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
-    torch.set_num_threads(1)
-    _as_under_torchrun()
     hf_logging.set_verbosity_error()  # config and loading chatter, once per rank and run
     hf_logging.disable_progress_bar()
-    results = {}
-    for name in SCENARIOS:
-        try:
-            results[name] = _scenario(name, out_root)
-        except Exception:  # noqa: BLE001 - that scenario's test reports it; the others still run
-            results[name] = {"error": traceback.format_exc()}
-    return results
+    return run_each(SCENARIOS, _scenario, out_root)
 
 
 # ---------------------------------------------------------------------------------- in pytest
@@ -240,16 +217,6 @@ def _all_scenarios(out_root: str) -> dict[str, Any]:
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out_root = str(tmp_path_factory.mktemp("hf_trainer"))
     return run_distributed(_all_scenarios, 2, out_root, timeout_s=RUN_TIMEOUT_S, isolated=True, pg_timeout_s=30)
-
-
-def _assert_equal(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), f"{what}: keys {sorted(a)} != {sorted(b)}"
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{what}: {k} differs by {(a[k] - b[k]).abs().max():.3g}"
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def _clipped(grads: dict[str, torch.Tensor], max_norm: float = 1.0) -> dict[str, torch.Tensor]:
@@ -271,23 +238,23 @@ def test_hf_trainer_matches_torch_ddp(results: list[dict[str, Any]], name: str) 
     assert theirs["type"] == "torch.nn.parallel.distributed.DistributedDataParallel", theirs["type"]
     for run in ("torch", "gradsync"):
         assert r0[run]["unwrapped_name"] == "GPT2LMHeadModel", r0[run]["unwrapped_name"]
-        _assert_equal(r0[run]["weights"], r1[run]["weights"], f"{run}: rank 0 vs rank 1 weights")
-        _assert_equal(r0[run]["first_grads"], r1[run]["first_grads"], f"{run}: rank 0 vs rank 1 first gradients")
-        _assert_equal(r0[run]["reloaded"], r0[run]["weights"], f"{run}: save_model reloaded with from_pretrained")
+        assert_equal(r0[run]["weights"], r1[run]["weights"], f"{run}: rank 0 vs rank 1 weights")
+        assert_equal(r0[run]["first_grads"], r1[run]["first_grads"], f"{run}: rank 0 vs rank 1 first gradients")
+        assert_equal(r0[run]["reloaded"], r0[run]["weights"], f"{run}: save_model reloaded with from_pretrained")
     for r in ranks:
         assert all(torch.equal(a, b) for a, b in zip(r["gradsync"]["seen"], r["torch"]["seen"])), "other batches"
         assert torch.equal(torch.stack(r["gradsync"]["losses"]), torch.stack(r["torch"]["losses"])), (
             f"gradsync losses {r['gradsync']['losses']} != torch DDP's {r['torch']['losses']}"
         )
-    _assert_equal(ours["first_grads"], theirs["first_grads"], "gradsync vs torch DDP: first averaged gradients")
-    _assert_equal(ours["weights"], theirs["weights"], "gradsync vs torch DDP: final weights")
+    assert_equal(ours["first_grads"], theirs["first_grads"], "gradsync vs torch DDP: first averaged gradients")
+    assert_equal(ours["weights"], theirs["weights"], "gradsync vs torch DDP: final weights")
     assert not torch.equal(r0["gradsync"]["seen"][0], r1["gradsync"]["seen"][0]), "both ranks got the same batch"
     # The hand reference: not necessarily bitwise (with accumulation it sums in another order).
     hand = _clipped(r0["hand_first_grads"])
-    diff = _max_diff(ours["first_grads"], hand)
+    diff = max_diff(ours["first_grads"], hand)
     assert diff <= 1e-6, f"the first averaged gradient is {diff:.3g} from the hand reference"
     for rank, r in enumerate(ranks):  # teeth: a rank's own gradient, never averaged, is far from it
-        local = _max_diff(_clipped(r["local_first_grads"]), hand)
+        local = max_diff(_clipped(r["local_first_grads"]), hand)
         assert local > 1e-4, f"rank {rank}: its own gradient is only {local:.3g} from the average"
     if "loss_shifted" in r0:
         for rank, r in enumerate(ranks):

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import glob
 import os
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -36,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
+from integration_support import assert_equal, gradsync_installed, max_diff, run_each
 
 from harness import run_distributed
 
@@ -64,20 +63,7 @@ class Net(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-@contextmanager
-def _gradsync_installed() -> Iterator[None]:
-    gradsync.install()
-    try:
-        yield
-    finally:
-        gradsync.uninstall()
-
-
 # ---------------------------------------------------------------------------------- in the workers
-def _as_under_torchrun() -> None:
-    """What torchrun sets for a worker; ignite's native context reads LOCAL_RANK from it."""
-    rank, world = str(dist.get_rank()), str(dist.get_world_size())
-    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, OMP_NUM_THREADS="1")
 
 
 def _dataset() -> torch.utils.data.TensorDataset:
@@ -95,7 +81,7 @@ def _run(accumulation: int, run: str, save_dir: str) -> dict[str, Any]:
     from ignite.engine import Events, create_supervised_trainer
     from ignite.handlers import Checkpoint, DiskSaver, EMAHandler
 
-    with _gradsync_installed() if run == "gradsync" else nullcontext():
+    with gradsync_installed() if run == "gradsync" else nullcontext():
         torch.manual_seed(1)
         bare = Net()
         init = _copy(bare)
@@ -167,15 +153,7 @@ def _scenario(name: str, save_root: str) -> dict[str, Any]:
 
 
 def _all_scenarios(save_root: str) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    _as_under_torchrun()
-    results = {}
-    for name in SCENARIOS:
-        try:
-            results[name] = _scenario(name, save_root)
-        except Exception:  # noqa: BLE001 - that scenario's tests report it; the others still run
-            results[name] = {"error": traceback.format_exc()}
-    return results
+    return run_each(SCENARIOS, _scenario, save_root)
 
 
 # ---------------------------------------------------------------------------------- in pytest
@@ -192,16 +170,6 @@ def _ranks(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return ranks
 
 
-def _assert_equal(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), f"{what}: keys {sorted(a)} != {sorted(b)}"
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{what}: {k} differs by {(a[k] - b[k]).abs().max():.3g}"
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_ignite_trainer_matches_torch_ddp(results: list[dict[str, Any]], name: str) -> None:
@@ -215,15 +183,15 @@ def test_ignite_trainer_matches_torch_ddp(results: list[dict[str, Any]], name: s
             seen = zip(r[run]["seen"], r["torch"]["seen"])
             assert all(torch.equal(a, b) for sa, sb in seen for a, b in zip(sa, sb)), f"{run} saw other batches"
     for run in RUNS:
-        _assert_equal(r0[run]["weights"], r1[run]["weights"], f"{run}: rank 0 vs rank 1 weights")
+        assert_equal(r0[run]["weights"], r1[run]["weights"], f"{run}: rank 0 vs rank 1 weights")
     for run in OURS:
-        _assert_equal(r0[run]["weights"], theirs["weights"], f"{run} vs torch DDP: final weights")
+        assert_equal(r0[run]["weights"], theirs["weights"], f"{run} vs torch DDP: final weights")
     for rank, r in enumerate(ranks):  # not bitwise: a mean of per-rank means against one mean
-        diff = _max_diff(r["gradsync"]["weights"], r["reference"])
+        diff = max_diff(r["gradsync"]["weights"], r["reference"])
         assert diff <= 1e-6, f"rank {rank}: gradsync is {diff:.3g} from the one-process reference"
         # Teeth: this rank's batches alone (never averaged) end far from the reference.
-        assert _max_diff(r["control"], r["reference"]) > 1e-3, "the negative control is no control"
-    assert _max_diff(r0["control"], r1["control"]) > 0, "both ranks saw the same data: cross-rank checks prove nothing"
+        assert max_diff(r["control"], r["reference"]) > 1e-3, "the negative control is no control"
+    assert max_diff(r0["control"], r1["control"]) > 0, "both ranks saw the same data: cross-rank checks prove nothing"
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
@@ -233,7 +201,7 @@ def test_ignite_checkpoint_holds_the_inner_module(results: list[dict[str, Any]],
         for run in RUNS:
             keys = r[run]["saved_keys"]
             assert keys == sorted(r[run]["weights"]), f"rank {rank}, {run}: checkpoint keys {keys}"
-            _assert_equal(r[run]["reloaded"], r[run]["weights"], f"rank {rank}, {run}: checkpoint in a bare Net")
+            assert_equal(r[run]["reloaded"], r[run]["weights"], f"rank {rank}, {run}: checkpoint in a bare Net")
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
@@ -243,11 +211,11 @@ def test_ignite_ema_copies_the_inner_module(results: list[dict[str, Any]], name:
     for run in RUNS:
         assert r0[run]["ema_type"] == "Net", f"{run}: EMAHandler deep-copied a {r0[run]['ema_type']}"
         assert sorted(r0[run]["ema"]) == sorted(r0[run]["weights"]), f"{run}: EMA keys {sorted(r0[run]['ema'])}"
-        _assert_equal(r0[run]["ema"], r1[run]["ema"], f"{run}: rank 0 vs rank 1 EMA model")
+        assert_equal(r0[run]["ema"], r1[run]["ema"], f"{run}: rank 0 vs rank 1 EMA model")
     for run in OURS:
-        _assert_equal(r0[run]["ema"], r0["torch"]["ema"], f"{run} vs torch DDP: EMA model")
+        assert_equal(r0[run]["ema"], r0["torch"]["ema"], f"{run} vs torch DDP: EMA model")
     for rank, r in enumerate(ranks):
-        diff = _max_diff(r["gradsync"]["ema"], r["reference_ema"])
+        diff = max_diff(r["gradsync"]["ema"], r["reference_ema"])
         assert diff <= 1e-6, f"rank {rank}: the EMA model is {diff:.3g} from the hand-folded one"
-        assert _max_diff(r["control_ema"], r["reference_ema"]) > 1e-3, "the negative control is no control"
-        assert _max_diff(r["gradsync"]["ema"], r["gradsync"]["weights"]) > 1e-3, "the EMA is just the weights"
+        assert max_diff(r["control_ema"], r["reference_ema"]) > 1e-3, "the negative control is no control"
+        assert max_diff(r["gradsync"]["ema"], r["gradsync"]["weights"]) > 1e-3, "the EMA is just the weights"

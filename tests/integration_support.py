@@ -1,0 +1,57 @@
+"""What the framework integration tests (tests/test_integration_*.py) share.
+
+Each runs all its scenarios in one pair of fresh workers, once with torch's DDP and once with
+gradsync's, and compares the results bitwise; these are the pieces every one of them needs.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import gradsync
+
+
+@contextmanager
+def gradsync_installed() -> Iterator[None]:
+    """torch's DDP builds gradsync's inside, torch's own again after (also on failure)."""
+    gradsync.install()
+    try:
+        yield
+    finally:
+        gradsync.uninstall()
+
+
+def as_under_torchrun() -> None:
+    """What torchrun sets for a worker: frameworks detect a multi-process CPU run from it."""
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, OMP_NUM_THREADS="1")
+
+
+def run_each(names: Iterable[str], scenario: Callable[[str, str], dict[str, Any]], root: str) -> dict[str, Any]:
+    """``{name: scenario(name, root)}``; a scenario that raises reports its traceback, the rest still run."""
+    torch.set_num_threads(1)
+    as_under_torchrun()
+    results = {}
+    for name in names:
+        try:
+            results[name] = scenario(name, root)
+        except Exception:  # noqa: BLE001 - that scenario's test reports it; the others still run
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def assert_equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: keys {sorted(a)} != {sorted(b)}"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs by {(a[k] - b[k]).abs().max():.3g}"
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
