@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,8 @@ from common import Contender, MachineLoad, environment_lines, interleave, mib, r
 from workloads import WORKLOADS
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/hooks_bench.py"
-WORKLOAD = WORKLOADS["large_grad"]
+SHAPED_COMMAND = "python benchmarks/hooks_bench.py"  # --link: it starts torchrun inside the namespace
+WORKLOAD = WORKLOADS["large_grad"]  # --workload replaces it (transformer on a shaped link)
 ONE_BUCKET_MB = 1024  # above the model's 192 MiB of gradients: every parameter in one bucket
 
 
@@ -264,11 +266,11 @@ def write_report(rows: list[Row], probes: dict[str, str], load: MachineLoad, arg
     lines = [
         f"# Communication hooks: bytes on the wire and iteration time ({today()})",
         "",
-        *environment_lines(COMMAND),
+        *environment_lines(" ".join([SHAPED_COMMAND if link.current() else COMMAND, *sys.argv[1:]])),
     ]
     lines += [
         f"- machine load: {load.describe()}",
-        f"- model: `large_grad`, {WORKLOAD.description}; {len(params)} parameter tensors, "
+        f"- model: `{WORKLOAD.name}`, {WORKLOAD.description}; {len(params)} parameter tensors, "
         f"{sum(p.numel() for p in params) / 1e6:.1f} M parameters, {mib(nbytes)} MiB of fp32 gradients",
         f"- per group: {args.warmup} warm-up iterations per contender (PowerSGD compresses from iteration 2 "
         f"on), then {args.rounds} rounds x {args.iters} iterations, interleaved; time = slowest rank's",
@@ -298,6 +300,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=4, help="iterations per contender before timing (>= 3)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--iters", type=int, default=3, help="iterations per contender per round")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="large_grad")
     parser.add_argument(
         "--link",
         help="rate of a shaped loopback link (1gbit, 10gbit, ...): start with python, not torchrun (see link.py)",
@@ -306,8 +309,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    global WORKLOAD
     args = parse_args()
     link.enter(args.link, nproc=2)  # with --link: runs this script inside a shaped namespace, then exits
+    WORKLOAD = WORKLOADS[args.workload]
     torch.set_num_threads(1)  # one core per rank; extra threads would fight the other rank
     dist.init_process_group(backend="gloo")
     probes = {name: probe(hook) for name, hook in TORCH_PROBES.items()}
