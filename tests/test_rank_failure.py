@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +105,53 @@ def test_survivors_name_the_dead_rank(phase: str, where: dict[int, set[str]]) ->
         places = [place for place in where[rank] if f"Rank {rank}: a collective failed during {place}" in message]
         assert places, message
         assert f"Rank(s) [{VICTIM}] did not answer a roll call" in message, message
+
+
+def _store_host_exits_first(out_dir: str) -> str:
+    """The PyTorch tutorial's launch (env://, the store in rank 0's process): rank 1 dies mid-backward,
+    rank 0 fails, roll-calls and exits at once, and rank 2 reaches the reduction only afterwards."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model = MLP()
+    ddp = DDP(model)
+    calls = {"n": 0}
+
+    def on_third_backward(grad: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3 and rank == VICTIM:
+            _die()
+        if calls["n"] == 3 and rank == 2:
+            time.sleep(7)  # slower than rank 0's failure, roll call (3 s) and exit
+        return grad
+
+    model.head.weight.register_hook(on_third_backward)
+    try:
+        for step in range(5):
+            x, y = global_batch("mlp", world, step)
+            loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+    except RuntimeError as error:
+        if rank == 0:  # as a script would: the exception ends the process, and the store with it
+            Path(out_dir, "rank0.txt").write_text(str(error))
+            os._exit(1)
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_survivor_after_the_store_host_exited_still_names_the_dead_rank(attempt: int, tmp_path: Path) -> None:
+    results = run_distributed(
+        _store_host_exits_first,
+        3,
+        str(tmp_path),
+        expect_dead=frozenset({0, VICTIM}),
+        timeout_s=90,
+        pg_timeout_s=PG_TIMEOUT_S,
+    )
+    first = (tmp_path / "rank0.txt").read_text()
+    assert f"Rank(s) [{VICTIM}] did not answer a roll call" in first, first
+    late = results[2]
+    assert "no longer answers" in late, late  # the store went with rank 0 ...
+    assert f"found that rank(s) [{VICTIM}] did not answer" in late, late  # ... and rank 1 is named anyway
+    assert "rank 0 has probably died" not in late
