@@ -146,18 +146,25 @@ def launch(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
         return json.loads(out.read_text())
 
 
+def wire_mb(nbytes: int, world: int) -> float:
+    """MB each rank sends per all-reduce of ``nbytes`` with gloo's ring algorithm: 2 (W - 1) / W of it."""
+    return 2 * (world - 1) / world * nbytes / 1e6 if world > 1 else 0.0
+
+
 def table(runs: dict[int, dict[str, Any]]) -> list[str]:
     lines = [
-        "| ranks | parameters (M) | gradients MiB | no_comm ms | gradsync ms (p90) | torch_ddp ms (p90) "
+        "| ranks | parameters (M) | gradients MiB | MB on the wire / rank / iteration | no_comm ms "
+        "| gradsync ms (p90) | torch_ddp ms (p90) "
         "| gradsync exposed ms | torch exposed ms | gradsync / no_comm | gradsync / torch |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for world, run in runs.items():
         for result in run["results"].values():
             s = {name: summarise(times) for name, times in result["samples"].items()}
             floor, ours, theirs = s["no_comm"].median_ms, s["gradsync"], s["torch_ddp"]
             lines.append(
-                f"| {world} | {result['params'] / 1e6:.1f} | {result['params'] * 4 / 2**20:.0f} | {floor:.1f} "
+                f"| {world} | {result['params'] / 1e6:.1f} | {result['params'] * 4 / 2**20:.0f} "
+                f"| {wire_mb(result['params'] * 4, world):.1f} | {floor:.1f} "
                 f"| {ours.median_ms:.1f} ({ours.p90_ms:.1f}) | {theirs.median_ms:.1f} ({theirs.p90_ms:.1f}) "
                 f"| {ours.median_ms - floor:.1f} | {theirs.median_ms - floor:.1f} "
                 f"| {ours.median_ms / floor:.2f} | {ours.median_ms / theirs.median_ms:.2f} |"
@@ -202,6 +209,8 @@ def write_report(runs: dict[int, dict[str, Any]], args: argparse.Namespace, skip
     command = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scaling.py" + (
         "" if args.backend == "gloo" else f" --backend {args.backend}"
     )
+    command += " --world-sizes " + " ".join(str(w) for w in args.world_sizes)
+    command += " --sizes " + " ".join(f"{s:g}" for s in args.sizes)
     command += f" --link {args.link}" if args.link else ""
     device = "CPU" if args.backend == "gloo" else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     lines = [
