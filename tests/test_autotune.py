@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from gradsync import DistributedDataParallel as DDP
-from gradsync.autotune import MIN_CAP, choose_cap
+from gradsync.autotune import ADAPT_MIN_BYTES, MIN_CAP, choose_cap, default_bucket_caps, default_caps_from
 from gradsync.buckets import MIB
 
 from harness import run_distributed
@@ -48,3 +48,14 @@ def _auto() -> list[int]:
 def test_auto_caps_are_identical_on_every_rank_and_train_correctly() -> None:
     caps = run_distributed(_auto, 3)
     assert caps[0] == caps[1] == caps[2] and len(caps[0]) == 1 and caps[0][0] >= MIN_CAP
+
+
+def test_default_caps_are_torch_s_unless_communication_overlaps() -> None:
+    """[Note: the default caps]: torch's 1 MiB + 25 MiB unless the collective waits on a link."""
+    torch_caps = [1 * MIB, 25 * MIB]
+    assert default_caps_from(total_bytes=100 * MIB, cpu_share=0.9) == torch_caps  # loopback: gloo computes
+    assert default_caps_from(total_bytes=16 * MIB, cpu_share=0.05) == [2 * MIB]  # waits on a link: 8 buckets
+    assert default_caps_from(total_bytes=1000 * MIB, cpu_share=0.05) == [25 * MIB]  # never above torch's cap
+    assert default_caps_from(total_bytes=4 * MIB, cpu_share=0.05) == [1 * MIB]
+    # a small model is not probed at all: no collective (none could run here, without a process group)
+    assert default_bucket_caps(None, None, ADAPT_MIN_BYTES - 1) == torch_caps

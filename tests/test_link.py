@@ -96,3 +96,18 @@ def test_every_contender_keeps_identical_replicas_on_a_shaped_link(tmp_path: Pat
     assert sent > 1_000_000, f"the traffic did not pass the shaper:\n{shaper}"
     assert set(result) == {"gradsync", "gradsync_best", "torch_ddp", "torch_ddp_view", "naive", "one_allreduce"}
     assert all(result.values()), result
+
+
+@needs_link
+@pytest.mark.timeout(180)
+def test_default_caps_shrink_for_a_large_model_on_a_slow_link(tmp_path: Path) -> None:
+    """[Note: the default caps] in autotune.py: communication that waits on a link overlaps compute."""
+    out = tmp_path / "caps.json"
+    job = Path(__file__).resolve().parent / "jobs" / "link_default_caps.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    status = link.run_inside("1gbit", [*torchrun, str(job), "--out", str(out)], dict(os.environ, OMP_NUM_THREADS="1"))
+    assert status == 0
+    result = json.loads(out.read_text())
+    mib = 1 << 20
+    assert len(result["caps"]) == 1 and result["caps"][0] < 25 * mib, result  # not torch's [1 MiB, 25 MiB]
+    assert result["identical"]

@@ -19,6 +19,24 @@ alone, a matmul loop of about the same length alone, and both at once. If less t
 ``MIN_OVERLAP`` of the shorter one hides behind the other (slowest rank), the cap is 25 MiB:
 as few buckets as the default allows. Cost: about a dozen small all-reduces and ~0.1 s of
 probing once, at construction.
+
+[Note: the default caps]
+With ``bucket_cap_mb=None`` gradsync uses torch's caps (1 MiB first bucket, then 25 MiB), except
+for a CPU model with at least ``ADAPT_MIN_BYTES`` of gradients. There it asks whether a
+collective *waits* on the link or *computes*: the process's CPU time during a 4 MiB all-reduce
+over its wall time (median of a few, the largest over ranks). On plain loopback gloo's threads
+copy the bytes themselves, 0.4-1.0 CPU seconds per second; through a 1 Gbit/s link they wait,
+0.03-0.06. Below ``WAIT_SHARE`` the collective would hide behind backward if it started early, so
+the model is cut into ``LINK_BUCKETS`` buckets (within 1-25 MiB): a cap from the model's size
+alone, the same in every run, unlike "auto"'s latency-based one, which varied 0.25-2.5 MiB from one
+construction to the next through the shaper. On transformer at 1 Gbit/s, 4 MiB buckets gave 0.90x
+torch DDP's step and "auto"'s smaller ones 0.87-0.88x in the same runs, hence eight buckets
+(2 MiB: 0.89x; benchmarks/results/2026-11-30-shaped-link.md). The
+overlap probe "auto" uses was too noisy to decide a default (on loopback it said "overlaps" in 1
+of 3 constructions); the CPU share separates the two cases by a factor of ten. Small models skip
+the probe (their one or two buckets cost little either way), so does ``init_sync=False`` (it
+promises no collective at construction) and so do GPUs (process CPU time does not see NCCL's
+work). ``bucket_cap_mb_list=[1, 25]`` asks for torch's layout whatever the link.
 """
 
 from __future__ import annotations
@@ -29,7 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .buckets import DEFAULT_BUCKET_CAP_MB, MIB
+from .buckets import DEFAULT_BUCKET_CAP_MB, MIB, bucket_caps_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +55,9 @@ LATENCY_SHARE = 0.1
 MIN_OVERLAP = 0.5  # below this share of hidden communication, small buckets cost more than they save
 MIN_BUCKETS = 4
 MIN_CAP = 256 * 1024
+ADAPT_MIN_BYTES = 4 * MIB  # [Note: the default caps]
+WAIT_SHARE = 0.25  # CPU seconds per wall second of an all-reduce below which it waits on a link
+LINK_BUCKETS = 8  # how many buckets the default cuts a model into when its collectives wait
 PROBE_SMALL = 4 * 1024
 PROBE_LARGE = 4 * MIB
 REPEATS = 3
@@ -110,6 +131,39 @@ def choose_cap(latency_s: float, bandwidth_bps: float, total_bytes: int, overlap
     cap = latency_s * bandwidth_bps / LATENCY_SHARE
     cap = min(cap, total_bytes / MIN_BUCKETS)
     return int(max(MIN_CAP, min(cap, DEFAULT_BUCKET_CAP_MB * MIB)))
+
+
+def default_caps_from(total_bytes: int, cpu_share: float) -> list[int]:
+    """[Note: the default caps] once measured: torch's unless the collective waits on a link."""
+    if cpu_share >= WAIT_SHARE:
+        return bucket_caps_bytes(None, None)
+    return [int(max(MIB, min(total_bytes / LINK_BUCKETS, DEFAULT_BUCKET_CAP_MB * MIB)))]
+
+
+def _cpu_share(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> float:
+    """Median over a few all-reduces of ``nbytes``: process CPU seconds per wall second."""
+    tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(tensor, group=group)  # warm the connection up
+    shares = []
+    for _ in range(REPEATS + 2):
+        dist.barrier(group=group)
+        wall, cpu = time.perf_counter(), time.process_time()
+        dist.all_reduce(tensor, group=group)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        shares.append(cpu / max(wall, 1e-9))
+    return sorted(shares)[len(shares) // 2]
+
+
+def default_bucket_caps(group: dist.ProcessGroup, device: torch.device, total_bytes: int) -> list[int]:
+    """``bucket_cap_mb=None``: torch's caps, or "auto"'s for a large CPU model whose collectives wait on a link."""
+    if total_bytes < ADAPT_MIN_BYTES or device.type != "cpu":
+        return bucket_caps_bytes(None, None)
+    share = torch.tensor([_cpu_share(PROBE_LARGE, group, device)], dtype=torch.float64, device=device)
+    dist.all_reduce(share, op=dist.ReduceOp.MAX, group=group)  # every rank decides alike
+    share = share.item()
+    caps = default_caps_from(total_bytes, share)
+    logger.info("default bucket caps: all-reduce CPU share %.2f -> %s MiB", share, [round(c / MIB, 2) for c in caps])
+    return caps
 
 
 def auto_bucket_caps(group: dist.ProcessGroup, device: torch.device, total_bytes: int) -> list[int]:

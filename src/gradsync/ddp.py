@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
 from . import comm, errors, liveness, options, synced, watch
-from .autotune import auto_bucket_caps
+from .autotune import auto_bucket_caps, default_bucket_caps
 from .debug import DesyncDetector, DivergenceCheck, Position
 from .device import move_to_device
 from .grad_bucket import check_comm_hook
@@ -84,8 +84,8 @@ class DistributedDataParallel(TorchDDPSurface, TorchDDP):
         self.output_device = None if self.device is None else (output_device or self.device)
         self.dim = dim
         caps = options.resolve_caps(bucket_cap_mb, bucket_cap_mb_list)
+        total = sum(p.numel() * p.element_size() for _, p in named_params)
         if caps is None:  # "auto": sized from this group's measured all-reduce cost
-            total = sum(p.numel() * p.element_size() for _, p in named_params)
             caps = auto_bucket_caps(self.process_group, named_params[0][1].device, total)
         init_sync_buffers, self.forward_sync_buffers = options.resolve_buffer_sync(
             broadcast_buffers, forward_sync_buffers
@@ -111,6 +111,8 @@ class DistributedDataParallel(TorchDDPSurface, TorchDDP):
         if init_sync:
             comm.verify_same_parameters(named_params, self.process_group)
             self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
+            if bucket_cap_mb is None and bucket_cap_mb_list is None:  # after the check: every rank agrees on total
+                caps = default_bucket_caps(self.process_group, named_params[0][1].device, total)
         sparse = synced.sparse_flags(module, named_params)
         delayed, delay_after = options.resolve_delayed(
             named_params, sparse, delay_all_reduce_named_params, param_to_hook_all_reduce
