@@ -281,17 +281,8 @@ def _gloo_backend_cpu_module_grad_is_view() -> None:
     _test_gloo_backend([torch.device("cpu")], None, gradient_as_bucket_view=True)
 
 
-# upstream: DistributedDataParallelTest.test_ignored_output
-def _ignored_output() -> None:
-    """The output of a model can be ignored; there is no implicit requirement that
-    `backward` gets called."""
-    _, process_group = _setup()
-
-    model = DistributedDataParallel(
-        IgnoredOutput().float(),
-        process_group=process_group,
-    )
-
+def _ignore_then_use_outputs(model: nn.Module) -> None:
+    """The body both upstream ignored-output tests share."""
     batch_size = 4
     criterion = nn.CrossEntropyLoss()
     input = torch.rand([batch_size, 2], dtype=torch.float)
@@ -307,6 +298,19 @@ def _ignored_output() -> None:
         output = model(input)
         loss = criterion(output, target)
         loss.backward()
+
+
+# upstream: DistributedDataParallelTest.test_ignored_output
+def _ignored_output() -> None:
+    """The output of a model can be ignored; there is no implicit requirement that
+    `backward` gets called."""
+    _, process_group = _setup()
+
+    model = DistributedDataParallel(
+        IgnoredOutput().float(),
+        process_group=process_group,
+    )
+    _ignore_then_use_outputs(model)
 
 
 # upstream: DistributedDataParallelTest.test_ignored_output_with_unused_parameters
@@ -319,22 +323,7 @@ def _ignored_output_with_unused_parameters() -> None:
         process_group=process_group,
         find_unused_parameters=True,
     )
-
-    batch_size = 4
-    criterion = nn.CrossEntropyLoss()
-    input = torch.rand([batch_size, 2], dtype=torch.float)
-    target = torch.LongTensor([random.randrange(4) for _ in range(batch_size)])
-
-    # Run a few iterations where we ignore the output.
-    for _ in range(4):
-        output = model(input)
-        del output
-
-    # Run a few iterations where we use the output.
-    for _ in range(4):
-        output = model(input)
-        loss = criterion(output, target)
-        loss.backward()
+    _ignore_then_use_outputs(model)
 
 
 # upstream: DistributedDataParallelTest._test_sparse_gradients, used by test_sparse_gradients
