@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
 from . import comm, errors, liveness, options, synced, watch
@@ -23,7 +23,7 @@ from .autotune import auto_bucket_caps, default_bucket_caps
 from .debug import DesyncDetector, DivergenceCheck, Position
 from .device import move_to_device
 from .grad_bucket import check_comm_hook
-from .join import DDPJoinHook, all_ranks_agree_to_sync, find_common_rank
+from .join import JoinableDDP, all_ranks_agree_to_sync, find_common_rank
 from .labels import label
 from .mixed_precision import MixedPrecision
 from .reducer import Reducer, ReducerState
@@ -34,7 +34,7 @@ from .torch_surface import TorchDDPSurface
 logger = logging.getLogger(__name__)
 
 
-class DistributedDataParallel(TorchDDPSurface, TorchDDP):
+class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
     """Data-parallel training of ``module``: one process per device, gradients averaged.
 
     Drop-in for ``torch.nn.parallel.DistributedDataParallel`` (same arguments and
@@ -44,8 +44,8 @@ class DistributedDataParallel(TorchDDPSurface, TorchDDP):
     Frameworks test ``isinstance(model, torch.nn.parallel.DistributedDataParallel)`` and take
     another, silently wrong, branch when it is false, so this class derives from torch's. None
     of torch's code runs: ``__init__`` initialises ``nn.Module`` and ``Joinable`` directly, and
-    every method and property torch's class defines is overridden here or in
-    ``TorchDDPSurface`` (tests/test_torch_surface.py enumerates them).
+    every method and property torch's class defines is overridden here, in ``TorchDDPSurface``
+    or in ``JoinableDDP`` (tests/test_torch_surface.py enumerates them).
     """
 
     def __init__(
@@ -352,56 +352,6 @@ class DistributedDataParallel(TorchDDPSurface, TorchDDP):
         Also switched on by the environment variable ``GRADSYNC_DEBUG=desync``.
         """
         self.reducer.desync = DesyncDetector(self.process_group, timeout_s)
-
-    # ------------------------------------------------------------------ uneven inputs
-    def join(
-        self,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> Join:
-        """Context manager for ranks with different numbers of batches (see ``join.py``).
-
-        Ranks that run out of data shadow the collectives of those still training;
-        with ``divide_by_initial_world_size=False`` gradients are averaged over the
-        ranks still active instead of the whole group.
-        """
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def _check_join_allows_forward_collectives(self) -> None:
-        if not self._join_config.throw_on_early_termination:
-            raise RuntimeError(
-                f"Modules {self._forward_collectives} communicate inside forward (SyncBatchNorm), which ranks "
-                "that already joined cannot mirror, so training would hang. Use "
-                "join(throw_on_early_termination=True) and stop every rank once one runs out of data."
-            )
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        if self.skip_all_reduce_unused_params:
-            raise RuntimeError(
-                "skip_all_reduce_unused_params cannot be combined with join: a joined rank does not know "
-                "which buckets the ranks still training skip, so their collectives would not match. "
-                "Construct DistributedDataParallel without skip_all_reduce_unused_params to use join."
-            )
-        if self.reducer.desync is not None:
-            raise RuntimeError(
-                "Desync detection cannot be combined with join: joined ranks deliberately issue "
-                "different collectives than the ranks still training. Disable one of them."
-            )
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.reducer.buckets.device
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        return self.process_group
 
     def _set_static_graph(self) -> None:
         if self.reducer.iteration > 0 or self.reducer.state is not ReducerState.IDLE:

@@ -20,11 +20,11 @@ join, so all replicas end identical.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .grad_bucket import GradBucket
 
@@ -94,3 +94,56 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         src = find_common_rank(dist.get_rank(), is_last_joiner, ddp.process_group, ddp.reducer.buckets.device)
         ddp._broadcast_module_state(src, include_buffers=ddp.forward_sync_buffers)
+
+
+class JoinableDDP(Joinable):
+    """The ``Joinable`` side of ``DistributedDataParallel``: ``ddp.join()`` and torch's generic ``Join``."""
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for ranks with different numbers of batches (see ``join.py``).
+
+        Ranks that run out of data shadow the collectives of those still training;
+        with ``divide_by_initial_world_size=False`` gradients are averaged over the
+        ranks still active instead of the whole group.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def _check_join_allows_forward_collectives(self) -> None:
+        if not self._join_config.throw_on_early_termination:
+            raise RuntimeError(
+                f"Modules {self._forward_collectives} communicate inside forward (SyncBatchNorm), which ranks "
+                "that already joined cannot mirror, so training would hang. Use "
+                "join(throw_on_early_termination=True) and stop every rank once one runs out of data."
+            )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        if self.skip_all_reduce_unused_params:
+            raise RuntimeError(
+                "skip_all_reduce_unused_params cannot be combined with join: a joined rank does not know "
+                "which buckets the ranks still training skip, so their collectives would not match. "
+                "Construct DistributedDataParallel without skip_all_reduce_unused_params to use join."
+            )
+        if self.reducer.desync is not None:
+            raise RuntimeError(
+                "Desync detection cannot be combined with join: joined ranks deliberately issue "
+                "different collectives than the ranks still training. Disable one of them."
+            )
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer.buckets.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group

@@ -52,6 +52,7 @@ from .liveness import roll_call
 from .rebuild import BucketRebuild
 from .static_graph import StaticGraphCounts
 from .stats import IterationTimes, RunningStats, now
+from .torch_surface import TorchReducerSurface
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class ReducerState(enum.Enum):
     FINALIZED = "finalized"  # averaged gradients of the last synced forward are in .grad
 
 
-class Reducer:
+class Reducer(TorchReducerSurface):
     """Buckets, readiness tracking and reduction for one wrapped module."""
 
     def __init__(
@@ -464,6 +465,11 @@ class Reducer:
     def _static_graph_error(self, index: int) -> str:
         return self._static.changed_error(self.names[index], index, self.rank, self.iteration)
 
+    @property
+    def reducing(self) -> bool:
+        """A synced backward is running: buckets are being launched."""
+        return self.state is ReducerState.REDUCING
+
     # ------------------------------------------------------------------ hooks
     @property
     def hook_name(self) -> str | None:
@@ -483,24 +489,3 @@ class Reducer:
         """A newer reducer took over these parameters ([Note: discarded wrappers] in ownership.py)."""
         self.remove_hooks()
         self.retired = True
-
-    # ------------------------------------------------------------------ torch's Reducer API
-    def _delay_all_reduce(self) -> None:
-        """torch's first-static-graph-iteration flush: every bucket reduced before this returns.
-
-        gradsync's end-of-backward callback does this by itself; called inside a backward it
-        finalizes now, called after one (Lightning's manual optimization) it has nothing left to do.
-        """
-        if self.state is ReducerState.REDUCING:
-            self._finalize_callback()
-
-    def _ddp_graph_static(self) -> bool:
-        """Whether every synced iteration so far left the same parameters unused."""
-        return self.graph_static
-
-    def _remove_autograd_hooks(self) -> None:
-        self.remove_hooks()
-
-    def _check_reducer_finalized(self) -> None:
-        if self.state is ReducerState.REDUCING:
-            raise RuntimeError(errors.backward_never_finished(self.rank, self.iteration))

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm, logging_data
+from . import comm, errors, logging_data
 from .device import move_to_device
 from .grad_bucket import check_comm_hook
 from .join import all_ranks_agree_to_sync, find_common_rank, shadow_reduce
@@ -226,3 +226,30 @@ class TorchDDPSurface:
     _build_debug_param_to_name_mapping = _internal(
         "_build_debug_param_to_name_mapping", "gradsync's errors always name parameters."
     )
+
+
+class TorchReducerSurface:
+    """torch's ``Reducer`` methods that frameworks call on ``ddp.reducer``, over gradsync's reducer.
+
+    (``prepare_for_backward`` and ``_rebuild_buckets`` are the reducer's own lifecycle steps.)
+    """
+
+    def _delay_all_reduce(self) -> None:
+        """torch's first-static-graph-iteration flush: every bucket reduced before this returns.
+
+        gradsync's end-of-backward callback does this by itself; called inside a backward it
+        finalizes now, called after one (Lightning's manual optimization) it has nothing left to do.
+        """
+        if self.reducing:
+            self._finalize_callback()
+
+    def _ddp_graph_static(self) -> bool:
+        """Whether every synced iteration so far left the same parameters unused."""
+        return self.graph_static
+
+    def _remove_autograd_hooks(self) -> None:
+        self.remove_hooks()
+
+    def _check_reducer_finalized(self) -> None:
+        if self.reducing:
+            raise RuntimeError(errors.backward_never_finished(self.rank, self.iteration))
