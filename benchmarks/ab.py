@@ -37,6 +37,7 @@ from gradsync import DistributedDataParallel as AfterDDP
 
 from common import (
     REPO,
+    TORCH_DDP,
     Contender,
     environment_lines,
     interleave,
@@ -72,7 +73,7 @@ def build(name: str, module: nn.Module, before: Any, as_view: bool) -> nn.Module
     if name == "before":
         return before.DistributedDataParallel(module, gradient_as_bucket_view=as_view)
     if name == "torch_ddp":
-        return nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=as_view)
+        return TORCH_DDP(module, gradient_as_bucket_view=as_view)
     return module
 
 

@@ -35,7 +35,7 @@ from torch import nn
 import gradsync
 from gradsync import DistributedDataParallel as GradsyncDDP
 
-from common import Contender, interleave, report_path, revision, summarise, train_step
+from common import TORCH_DDP, Contender, interleave, report_path, revision, summarise, train_step
 from workloads import WORKLOADS as ALL_WORKLOADS
 from workloads import Workload, gradient_size
 
@@ -50,7 +50,7 @@ def make_contenders(workload: Workload, batches: list) -> list[Contender]:
     base = workload.build()
     wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {
         "gradsync": GradsyncDDP,
-        "torch_ddp": nn.parallel.DistributedDataParallel,
+        "torch_ddp": TORCH_DDP,
         "no_comm": lambda module: module,
     }
     contenders = []

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync
+from gradsync.ddp import TorchDDP as TORCH_DDP  # noqa: F401 - torch's own class, even under GRADSYNC_INSTALL=1
 
 import link
 

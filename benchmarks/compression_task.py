@@ -41,12 +41,12 @@ from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync import hooks
 
 import link
-from common import environment_lines, report_path, today
+from common import TORCH_DDP, environment_lines, report_path, today
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/compression_task.py"
 SEED, LR, MOMENTUM, BATCH = 0, 0.05, 0.9, 32
 START_ITER = 10
-TorchDDP = torch.nn.parallel.distributed.DistributedDataParallel
+TorchDDP = TORCH_DDP  # torch's own class, even under GRADSYNC_INSTALL=1
 
 
 def load_splits() -> tuple[TensorDataset, TensorDataset]:

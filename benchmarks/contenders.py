@@ -17,6 +17,8 @@ from torch import nn
 from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync.naive import NaiveDataParallel
 
+from common import TORCH_DDP
+
 Cap = Any  # MiB as a number, or "auto"
 
 DESCRIPTIONS = {
@@ -39,9 +41,9 @@ def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Cal
     if name == "gradsync_best" or name.startswith("gradsync_view_"):
         return GradsyncDDP(module, gradient_as_bucket_view=True, bucket_cap_mb=cap), None
     if name == "torch_ddp":
-        return nn.parallel.DistributedDataParallel(module), None
+        return TORCH_DDP(module), None
     if name == "torch_ddp_view":
-        return nn.parallel.DistributedDataParallel(module, gradient_as_bucket_view=True), None
+        return TORCH_DDP(module, gradient_as_bucket_view=True), None
     if name == "no_comm":
         return module, None
     if name == "naive":

@@ -44,7 +44,18 @@ from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync import hooks
 
 import link
-from common import Contender, MachineLoad, environment_lines, interleave, mib, report_path, summarise, today, train_step
+from common import (
+    TORCH_DDP,
+    Contender,
+    MachineLoad,
+    environment_lines,
+    interleave,
+    mib,
+    report_path,
+    summarise,
+    today,
+    train_step,
+)
 from workloads import WORKLOADS
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/hooks_bench.py"
@@ -110,7 +121,7 @@ def gradsync_with(make_state: Callable[[], Any], hook: Callable[..., Any], **ddp
 
 def torch_with(make_state: Callable[[], Any] | None, hook: Callable[..., Any] | None, **ddp_args: Any) -> Any:
     def wrap(module: nn.Module) -> tuple[nn.Module, Any]:
-        ddp = nn.parallel.DistributedDataParallel(module, **ddp_args)
+        ddp = TORCH_DDP(module, **ddp_args)
         state = make_state() if make_state else None
         if hook is not None:
             ddp.register_comm_hook(state, hook)
@@ -194,7 +205,7 @@ TORCH_PROBES = {  # torch hooks expected not to work on CPU/gloo
 def probe(hook: Callable[..., Any]) -> str:
     """Register ``hook`` on torch's DDP around a tiny model and run 3 iterations; what happened."""
     torch.manual_seed(0)
-    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)))
+    ddp = TORCH_DDP(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)))
     try:
         ddp.register_comm_hook(None, hook)
         for _ in range(3):

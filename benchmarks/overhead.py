@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 import gradsync.bucket_set
 from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync.ddp import TorchDDP
 from gradsync.reducer import Reducer
 
 # (owner, attribute, section); owner is patched for the duration of the measurement.
@@ -192,7 +193,7 @@ def main_thread_cpu(
     """
     wrappers: dict[str, Callable[[torch.nn.Module], torch.nn.Module]] = {
         "gradsync": GradsyncDDP,
-        "torch_ddp": torch.nn.parallel.DistributedDataParallel,
+        "torch_ddp": TorchDDP,  # torch's own class, even under GRADSYNC_INSTALL=1
         "no_comm": lambda module: module,
     }
     steps = {name: step_for(wrap(build())) for name, wrap in wrappers.items()}

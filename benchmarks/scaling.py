@@ -42,7 +42,7 @@ from torch import nn
 from gradsync import DistributedDataParallel as GradsyncDDP
 
 import link
-from common import Contender, MachineLoad, interleave, report_path, revision, summarise, today, train_step
+from common import TORCH_DDP, Contender, MachineLoad, interleave, report_path, revision, summarise, today, train_step
 
 CONTENDERS = ("gradsync", "torch_ddp", "no_comm")
 DEPTH, BATCH = 4, 16
@@ -123,7 +123,7 @@ def wrap(name: str, module: nn.Module, device: torch.device) -> nn.Module:
     if name == "gradsync":
         return GradsyncDDP(module, device_ids=ids)
     if name == "torch_ddp":
-        return nn.parallel.DistributedDataParallel(module, device_ids=ids)
+        return TORCH_DDP(module, device_ids=ids)
     return module
 
 
