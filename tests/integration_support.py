@@ -55,3 +55,17 @@ def assert_equal(a: dict, b: dict, what: str) -> None:
 
 def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def scenario_ranks(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """Every rank's result of scenario ``name``; a rank that raised fails the test with its traceback."""
+    ranks = [r[name] for r in results]
+    for rank, r in enumerate(ranks):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    return ranks
+
+
+def assert_built_by(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """The gradsync run built gradsync's wrapper and the torch run torch's (so uninstall worked)."""
+    assert ours["type"] == "gradsync.ddp.DistributedDataParallel", ours["type"]
+    assert theirs["type"] == "torch.nn.parallel.distributed.DistributedDataParallel", theirs["type"]

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from integration_support import assert_equal, gradsync_installed, max_diff, run_each
+from integration_support import assert_built_by, assert_equal, gradsync_installed, max_diff, run_each, scenario_ranks
 
 from harness import run_distributed
 
@@ -229,13 +229,9 @@ def _clipped(grads: dict[str, torch.Tensor], max_norm: float = 1.0) -> dict[str,
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_hf_trainer_matches_torch_ddp(results: list[dict[str, Any]], name: str) -> None:
-    ranks = [r[name] for r in results]
-    for rank, r in enumerate(ranks):
-        assert "error" not in r, f"rank {rank}:\n{r['error']}"
-    r0, r1 = ranks
+    r0, r1 = ranks = scenario_ranks(results, name)
     ours, theirs = r0["gradsync"], r0["torch"]
-    assert ours["type"] == "gradsync.ddp.DistributedDataParallel", ours["type"]
-    assert theirs["type"] == "torch.nn.parallel.distributed.DistributedDataParallel", theirs["type"]
+    assert_built_by(ours, theirs)
     for run in ("torch", "gradsync"):
         assert r0[run]["unwrapped_name"] == "GPT2LMHeadModel", r0[run]["unwrapped_name"]
         assert_equal(r0[run]["weights"], r1[run]["weights"], f"{run}: rank 0 vs rank 1 weights")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
-from integration_support import assert_equal, gradsync_installed, max_diff, run_each
+from integration_support import assert_equal, gradsync_installed, max_diff, run_each, scenario_ranks
 
 from harness import run_distributed
 
@@ -163,17 +163,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(_all_scenarios, 2, save_root, timeout_s=RUN_TIMEOUT_S, isolated=True, pg_timeout_s=30)
 
 
-def _ranks(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    ranks = [r[name] for r in results]
-    for rank, r in enumerate(ranks):
-        assert "error" not in r, f"rank {rank}:\n{r['error']}"
-    return ranks
-
-
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_ignite_trainer_matches_torch_ddp(results: list[dict[str, Any]], name: str) -> None:
-    r0, r1 = ranks = _ranks(results, name)
+    r0, r1 = ranks = scenario_ranks(results, name)
     theirs = r0["torch"]
     assert theirs["type"] == "torch.nn.parallel.distributed.DistributedDataParallel", theirs["type"]
     for run in OURS:
@@ -197,7 +190,7 @@ def test_ignite_trainer_matches_torch_ddp(results: list[dict[str, Any]], name: s
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_ignite_checkpoint_holds_the_inner_module(results: list[dict[str, Any]], name: str) -> None:
-    for rank, r in enumerate(_ranks(results, name)):
+    for rank, r in enumerate(scenario_ranks(results, name)):
         for run in RUNS:
             keys = r[run]["saved_keys"]
             assert keys == sorted(r[run]["weights"]), f"rank {rank}, {run}: checkpoint keys {keys}"
@@ -207,7 +200,7 @@ def test_ignite_checkpoint_holds_the_inner_module(results: list[dict[str, Any]],
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_ignite_ema_copies_the_inner_module(results: list[dict[str, Any]], name: str) -> None:
-    r0, r1 = ranks = _ranks(results, name)
+    r0, r1 = ranks = scenario_ranks(results, name)
     for run in RUNS:
         assert r0[run]["ema_type"] == "Net", f"{run}: EMAHandler deep-copied a {r0[run]['ema_type']}"
         assert sorted(r0[run]["ema"]) == sorted(r0[run]["weights"]), f"{run}: EMA keys {sorted(r0[run]['ema'])}"

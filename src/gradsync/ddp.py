@@ -93,8 +93,7 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
-        # Our bucket copy is always one batched op per bucket, which is what torch's
-        # batched_grad_copy opts into; the flag is accepted and changes nothing.
+        # gradsync always copies one batched op per bucket (torch's batched_grad_copy): a no-op flag.
         self.batched_grad_copy = batched_grad_copy
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
