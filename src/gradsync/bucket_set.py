@@ -33,7 +33,7 @@ and never waits (TORCH_DDP_NOTES §1j.4: silently unsynchronised gradients).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +69,7 @@ class BucketSet:
         self.reduce_dtype = reduce_dtype
         infos = [ParamInfo(p.numel() * p.element_size(), (p.device, p.dtype), s) for p, s in zip(params, sparse)]
         regular = [i for i in order if i not in delayed]
+        self.order = regular  # with the caps, all it takes to build these buckets again elsewhere
         self.assignment = assign_buckets(infos, regular, caps, lone_oversized=reduce_lone_in_place)
         if delayed:  # one bucket per (device, dtype), whatever the cap: it is one collective by design
             position = len(self.assignment)
@@ -232,37 +233,98 @@ class BucketSet:
     ) -> list[str]:
         """Wait for every launched bucket in order and write the averages to ``.grad``.
 
-        Returns error messages (bad hook results, failed collectives); the caller raises.
+        Each bucket is copied out as soon as it is waited for, while later ones are still in
+        flight. Returns error messages (bad hook results, failed collectives); the caller raises.
         """
         errors: list[str] = []
-        for b, (storage, pending) in enumerate(zip(self.storages, results)):
+        for b, pending in enumerate(results):
             if pending is None:
                 continue
             try:
-                result = _wait(pending)
+                result = wait_for(pending)
                 times.bucket_done[b] = times.bucket_done[b] or now()
             except Exception as error:  # noqa: BLE001 - reported with the bucket named
-                what = f"comm hook {hook_name}" if hook_name else "all-reduce"
-                errors.append(f"{what} failed on bucket {b}: {error}")
+                errors.append(_failure(b, hook_name, error))
                 continue
-            if b in self._in_place:
-                continue  # the average is already in .grad
-            if storage.sparse:
-                index = storage.param_indices[0]
-                if globally_used is None or globally_used[index]:
-                    storage.params[0].grad = result
-                continue
-            storage.refresh_views_if_moved()
-            if result is not None and result is not storage.flat:
-                problem = _check_result(b, result, storage.flat, hook_name)
-                if problem:
-                    errors.append(problem)
-                    continue
-                storage.flat.copy_(result.view(-1))
-            self._copy_out(storage, as_view, globally_used, unused)
+            problem = self._write_result(b, result, as_view, globally_used, unused, hook_name)
+            if problem:
+                errors.append(problem)
         times.reductions_done = max(times.bucket_done, default=0.0) or now()
         self.begin_iteration()
         return errors
+
+    def wait_all(
+        self,
+        results: list[Any],
+        hook_name: str | None,
+        times: IterationTimes,
+        waiter: Callable[[Any], Any] | None = None,
+    ) -> tuple[list[Any], str | None]:
+        """Wait for every launched bucket, writing nothing: ``(values, failure)``.
+
+        The fault-tolerant mode's first half of ``write_back``: ``.grad`` keeps the local gradient
+        until the step is agreed on ([Note: a step is decided before it is written] in
+        elastic/fault_tolerant.py). Stops at the first failed bucket, abandoning the rest.
+        ``waiter(pending)`` replaces ``wait_for`` (the fault-tolerant mode waits in slices).
+        """
+        waiter = waiter or wait_for
+        values: list[Any] = []
+        for b, pending in enumerate(results):
+            if pending is None:
+                values.append(None)
+                continue
+            try:
+                values.append(waiter(pending))
+                times.bucket_done[b] = times.bucket_done[b] or now()
+            except Exception as error:  # noqa: BLE001 - the caller decides what a failure means
+                return values, _failure(b, hook_name, error)
+        times.reductions_done = max(times.bucket_done, default=0.0) or now()
+        return values, None
+
+    def write_all(
+        self,
+        results: list[Any],
+        values: list[Any],
+        as_view: bool,
+        globally_used: list[bool] | None,
+        unused: set[int],
+        hook_name: str | None,
+    ) -> list[str]:
+        """The second half: write the values ``wait_all`` returned to ``.grad``."""
+        errors = [
+            problem
+            for b, (pending, result) in enumerate(zip(results, values))
+            if pending is not None
+            and (problem := self._write_result(b, result, as_view, globally_used, unused, hook_name))
+        ]
+        self.begin_iteration()
+        return errors
+
+    def _write_result(
+        self,
+        b: int,
+        result: Any,
+        as_view: bool,
+        globally_used: list[bool] | None,
+        unused: set[int],
+        hook_name: str | None,
+    ) -> str | None:
+        if b in self._in_place:
+            return None  # the average is already in .grad
+        storage = self.storages[b]
+        if storage.sparse:
+            index = storage.param_indices[0]
+            if globally_used is None or globally_used[index]:
+                storage.params[0].grad = result
+            return None
+        storage.refresh_views_if_moved()
+        if result is not None and result is not storage.flat:
+            problem = _check_result(b, result, storage.flat, hook_name)
+            if problem:
+                return problem
+            storage.flat.copy_(result.view(-1))
+        self._copy_out(storage, as_view, globally_used, unused)
+        return None
 
     def _copy_out(self, storage: BucketStorage, as_view: bool, used: list[bool] | None, unused: set[int]) -> None:
         params, views = storage.params, storage.views
@@ -310,7 +372,13 @@ def _copy_in(storage: BucketStorage, grads: list[torch.Tensor], divisor: float) 
         storage.flat.div_(divisor)
 
 
-def _wait(pending: Any) -> torch.Tensor | None:
+def _failure(b: int, hook_name: str | None, error: Exception) -> str:
+    what = f"comm hook {hook_name}" if hook_name else "all-reduce"
+    return f"{what} failed on bucket {b}: {error}"
+
+
+def wait_for(pending: Any) -> torch.Tensor | None:
+    """A bucket's result once its collective (or comm hook) completed: None for the plain all-reduce."""
     if isinstance(pending, dist.Work):
         pending.wait()  # the default all-reduce: the result is already in the flat bucket
         return None

@@ -255,10 +255,15 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
             # A buffer saved for backward (e.g. by an eval-mode BatchNorm) is overwritten
             # with equal values on the source rank; keep autograd's version check quiet.
             self.reducer.phase = "the buffer broadcast before forward"
+            if self.reducer.keep_local and self.reducer.failures:
+                return  # fault-tolerant mode: this step failed already ([Note: a step is decided before it is written])
             try:
                 with _preserve_version_counters(self._synced_buffers):
                     comm.broadcast_coalesced(self._synced_buffers, src, self.process_group)
             except RuntimeError as error:
+                if self.reducer.keep_local:
+                    self.reducer.failures.append(f"the buffer broadcast failed: {error}")
+                    return
                 raise RuntimeError(self.reducer.collective_failure_message(str(error))) from error
 
     def _on_module_changed(self, module: nn.Module, name: str) -> None:

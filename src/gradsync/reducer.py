@@ -43,7 +43,6 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from . import errors, graph, launch, ownership
-from .agreement import agree_on_used
 from .bucket_set import BucketSet
 from .debug import DesyncDetector, Position
 from .labels import label
@@ -52,6 +51,7 @@ from .liveness import roll_call
 from .rebuild import BucketRebuild
 from .static_graph import StaticGraphCounts
 from .stats import IterationTimes, RunningStats, now
+from .tolerant import TolerantReduction
 from .torch_surface import TorchReducerSurface
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class ReducerState(enum.Enum):
     FINALIZED = "finalized"  # averaged gradients of the last synced forward are in .grad
 
 
-class Reducer(TorchReducerSurface):
+class Reducer(TorchReducerSurface, TolerantReduction):
     """Buckets, readiness tracking and reduction for one wrapped module."""
 
     def __init__(
@@ -81,7 +81,10 @@ class Reducer(TorchReducerSurface):
         delayed: frozenset[int] = frozenset(),
         delay_after: int | None = None,
         reduce_dtype: torch.dtype | None = None,
+        keep_local_grads: bool = False,
     ) -> None:
+        """``keep_local_grads``: the fault-tolerant mode's reduction ([Note: a step is decided before
+        it is written] in elastic/fault_tolerant.py); see ``TolerantReduction``."""
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.process_group = process_group
@@ -100,7 +103,7 @@ class Reducer(TorchReducerSurface):
             sparse,
             list(reversed(range(len(self.params)))),
             caps,
-            reduce_lone_in_place=True,
+            reduce_lone_in_place=not keep_local_grads,
             delayed=delayed,
             reduce_dtype=reduce_dtype,
             delay_after=delay_after,
@@ -136,6 +139,7 @@ class Reducer(TorchReducerSurface):
         self._never_used: list[bool] | None = None  # static_graph: used on some rank in iteration 0
         self.retired = False  # replaced by a newer reducer of the same parameters
         self.last_error: str | None = None  # torch's logging data reports it as "error"
+        self._init_tolerance(keep_local_grads)
         self._reset_iteration()
         self._grad_hooks = ownership.GradHooks(self, self.params)
         for previous in ownership.claim(self, self.params):
@@ -152,7 +156,7 @@ class Reducer(TorchReducerSurface):
         self._results: list[Any] = []
         self._errors: list[str | Exception] = []
         self._known_unused = set()
-        self._divisor = float(self.world_size)
+        self._divisor = self.fixed_divisor or float(self.world_size)
         self.times = IterationTimes(len(self.buckets.storages))
         self.buckets.begin_iteration()
 
@@ -295,6 +299,9 @@ class Reducer(TorchReducerSurface):
         with label("gradsync::reduce_bucket"):
             self.times.bucket_launch[b] = now()
             storage = self.buckets.storages[b]
+            if self.failures:
+                self._results.append(None)  # fault-tolerant mode: this step failed, start nothing more
+                return
             if self.desync is not None:
                 what = f"all-reduce of bucket {b}"
                 self.desync.check(Position(what, self.synced_forwards, storage.flat.numel(), str(storage.flat.dtype)))
@@ -370,14 +377,15 @@ class Reducer(TorchReducerSurface):
             self._mark_ready(index)
         globally_used = self._never_used  # static graph: parameters no rank used keep .grad None
         if agree_used:
-            globally_used = agree_on_used(
-                self._used_since_sync, self.process_group, self.buckets.device, self.desync, self.synced_forwards
+            globally_used = self._agree_on_used()
+        if self.keep_local:
+            self._wait_and_defer(globally_used)
+        else:
+            self._errors.extend(
+                self.buckets.write_back(
+                    self._results, self.as_view, globally_used, self._marked_unused, self.hook_name, self.times
+                )
             )
-        self._errors.extend(
-            self.buckets.write_back(
-                self._results, self.as_view, globally_used, self._marked_unused, self.hook_name, self.times
-            )
-        )
         # Every handle was waited for: let go of them now rather than at the next iteration, so
         # none outlives its process group at interpreter exit (a suspect, not proven, for a rare
         # "terminate called without an active exception" seen once at the exit of a 4-rank run).
@@ -450,9 +458,12 @@ class Reducer(TorchReducerSurface):
         try:
             order = rebuild.agreed_order(self.process_group, self.buckets.device, self.desync, self.synced_forwards)
         except RuntimeError as error:
+            if self.keep_local:  # fault-tolerant mode: the step is decided, and the buckets shipped, later
+                self.failures.append(f"the bucket order broadcast failed: {error}")
+                return False
             raise RuntimeError(self.collective_failure_message(str(error))) from error
         self._results = []  # the last iteration's work handles still reference the old buffers
-        in_place = self.comm_hook is None
+        in_place = self.comm_hook is None and not self.keep_local
         self.buckets = rebuild.apply(self.buckets, order, self.caps, self.as_view, in_place)
         self._reset_iteration()
         logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))

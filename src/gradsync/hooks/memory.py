@@ -49,6 +49,10 @@ class BucketMemory:
         entry = self._entries.get(index)
         return None if entry is None else entry[1]
 
+    def put(self, index: int, params: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Store ``tensor`` for bucket ``index`` holding ``params`` (a healed state's memory)."""
+        self._entries[index] = (tuple(id(p) for p in params), tensor)
+
     def clear(self) -> None:
         self._entries.clear()
 

@@ -1,0 +1,363 @@
+"""``FaultTolerant``: training that goes on when a rank dies, and heals a replacement.
+
+[Note: a step is decided before it is written] (see also tolerant.py)
+``loss.backward()`` reduces as usual, but a failed collective is noted rather than raised, and the
+averages wait in the buckets. ``ft.step()`` then
+1. asks every member to decide together whether the step commits (commit.py);
+2. commit: writes the averages to ``.grad``, runs ``optimizer.step()``; if joiners arrived, forms
+   the next generation with them and heals them;
+3. abort (a member died, hung, or a collective failed): forms the next generation of the live
+   members (membership.py), re-syncs their state from the heal source, reduces the survivors'
+   *local* gradients again over it, and goes back to 1. Only the dead ranks' batches are lost.
+A process found too late for a generation (it was hung, say) joins again and is healed; its
+``step()`` returns False. A step fails twice with every member alive: that is no death, so it is
+raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..bucket_set import wait_for
+from ..ddp import DistributedDataParallel
+from . import commit, heal, hook_state, membership
+from .run import ElasticRun, current
+
+logger = logging.getLogger(__name__)
+_SLICE_S = 0.1  # how often a wait for a bucket looks at its peers' heartbeats
+_FIRST_POLL_S, _MAX_POLL_S = 0.0001, 0.002  # polling a comm hook's future
+
+
+class HealMismatch(Exception):
+    """Members differ after a heal (never expected: the state is copied bit for bit)."""
+
+
+class FaultTolerant:
+    """Wraps a gradsync DDP model and its optimizer for a run joined with ``elastic.init``.
+
+    ``step()`` replaces ``optimizer.step()`` and returns whether the step was committed.
+    ``extra_state``: objects with ``state_dict``/``load_state_dict`` (a scheduler, a sampler's
+    position) that a joiner receives too. ``on_reconfigure(rank, world_size, step)`` runs on every
+    member after every membership change (e.g. to reshard the data). ``divisor``: "survivors"
+    averages over the current members; an int divides every step's sum by that fixed count.
+    """
+
+    def __init__(
+        self,
+        ddp: DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        *,
+        run: ElasticRun | None = None,
+        extra_state: dict[str, Any] | None = None,
+        on_reconfigure: Callable[[int, int, int], None] | None = None,
+        divisor: str | int = "survivors",
+    ) -> None:
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"FaultTolerant wraps a gradsync.DistributedDataParallel, got {type(ddp).__name__}.")
+        if ddp.gradient_as_bucket_view:
+            raise ValueError(
+                "FaultTolerant needs each rank's local gradient until a step commits, so it cannot use "
+                "gradient_as_bucket_view=True (the all-reduce would overwrite .grad). Wrap the model without it."
+            )
+        if divisor != "survivors" and not (isinstance(divisor, int) and divisor > 0):
+            raise ValueError(f"divisor must be 'survivors' or a positive int, got {divisor!r}.")
+        if isinstance(divisor, int) and ddp.reducer.comm_hook is not None:
+            raise ValueError("divisor=<int> averages without a comm hook only: comm hooks divide by the group's size.")
+        hook_state.check_supported(ddp.reducer.comm_hook_state)
+        self.ddp = ddp
+        self.optimizer = optimizer
+        self.run = run or current()
+        self.extra_state = extra_state or {}
+        self.on_reconfigure = on_reconfigure
+        self.divisor = divisor
+        self._step = 0
+        if self.run.joining:
+            self._join()
+        else:
+            layout = [ddp.reducer.layout()]
+            dist.broadcast_object_list(layout, src=0)  # one layout for all ([Note: a joiner's buckets])
+            self._rewire(layout[0])
+
+    # ------------------------------------------------------------------ what users read
+    @property
+    def step_count(self) -> int:
+        """Committed optimizer steps so far (the same on every member)."""
+        return self._step
+
+    @property
+    def generation(self) -> int:
+        return self.run.generation.number if self.run.generation else -1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def members(self) -> list[str]:
+        """The current members' ids, in rank order."""
+        return list(self.run.generation.members) if self.run.generation else []
+
+    def replicas_identical(self) -> bool:
+        """Whether every member holds the same parameters and optimizer state, bit for bit.
+
+        Buffers are left out: BatchNorm statistics differ after each rank's own forward, as with
+        DDP, until the next forward broadcasts them (after a heal they are compared too).
+        """
+        mine = heal.fingerprint(self.ddp.module, self.optimizer, buffers=False)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return len(set(every)) == 1
+
+    def close(self) -> None:
+        """Leave the run on purpose, after the last step (peers do not take it for dead)."""
+        self.run.leave()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> bool:
+        """Agree on this step with the other members and apply it: True once it is committed."""
+        reducer = self.ddp.reducer
+        if reducer.deferred is None and not reducer.failures:
+            raise RuntimeError(
+                f"FaultTolerant.step() on rank {self.rank} found no reduced gradients: run a synced forward and "
+                "backward through the wrapped model first (not inside no_sync())."
+            )
+        retried_with_all_alive = False
+        while True:
+            generation = self.run.generation
+            failure = "; ".join(reducer.failures)
+            decision = commit.decide(
+                self.run.store,
+                self.run.keys,
+                generation.number,
+                self._step,
+                generation.members,
+                not reducer.failures,
+                failure,
+                self.run.arrivals_seen,
+                self.run.heartbeat,
+            )
+            if decision.commit:
+                self._apply(decision)
+                return True
+            reducer.drop_step()
+            before = set(generation.members)
+            if not self._reconfigure(generation.members, generation.members, f"step aborted: {decision.reason}", True):
+                return False  # this process was left out; it joined again and was healed
+            if before == set(self.run.generation.members):
+                if retried_with_all_alive:
+                    raise RuntimeError(
+                        f"Rank {self.rank}: step {self._step} failed twice although every member is alive: "
+                        f"{decision.reason}"
+                    )
+                retried_with_all_alive = True
+            reducer = self.ddp.reducer
+            reducer.reduce_again()
+
+    def _apply(self, decision: commit.Decision) -> None:
+        reducer = self.ddp.reducer
+        reducer.write_deferred()
+        reducer.drop_step()
+        self.optimizer.step()
+        self._step += 1
+        self.run.arrivals_seen = decision.arrivals_seen
+        if decision.admit:
+            generation = self.run.generation
+            for joiner in decision.admit:
+                self.run.store.set(self.run.keys.admitted(joiner), str(generation.number + 1))
+            reason = f"admitting {len(decision.admit)} joiner(s)"
+            self._reconfigure(generation.members + decision.admit, generation.members, reason, False)
+
+    # ------------------------------------------------------------------ membership changes
+    def _reconfigure(self, candidates: list[str], healthy: list[str], reason: str, aborted: bool) -> bool:
+        """Form the next generation from ``candidates`` and heal it; False if this process is not in it."""
+        started = time.monotonic()
+        number = self.run.generation.number + 1
+        while True:
+            generation = membership.form(
+                self.run.store,
+                self.run.keys,
+                number,
+                candidates,
+                healthy,
+                self._step,
+                self.run.uuid,
+                self.run.heartbeat,
+                self.run.timeout_s,
+            )
+            if self.run.uuid not in generation.members:
+                logger.warning("gradsync.elastic: left out of generation %d; joining again", number)
+                self._rejoin()
+                return False
+            self._check_enough(candidates, generation)
+            try:
+                self._open_and_heal(generation, reset_hook_memory=aborted)
+                break
+            except RuntimeError as error:  # a member died while the group opened or the state moved
+                logger.warning("gradsync.elastic: generation %d failed to form (%s); retrying", number, error)
+                candidates, healthy, number = generation.members, generation.healthy, generation.number + 1
+        self._record(reason, candidates, started)
+        return True
+
+    def _check_enough(self, candidates: list[str], generation: membership.Generation) -> None:
+        if not generation.healthy:
+            raise RuntimeError(
+                f"gradsync.elastic: no member holding the training state is left in generation {generation.number} "
+                "(every one of them died while joiners were being healed); restart from a checkpoint."
+            )
+        if len(generation.members) < self.run.min_replicas:
+            dead = [rank for rank, uuid in enumerate(candidates) if uuid not in generation.members]
+            raise RuntimeError(
+                f"Rank(s) {dead} of generation {generation.number - 1} died (or stopped answering) and only "
+                f"{len(generation.members)} replica(s) remain, fewer than min_replicas={self.run.min_replicas}. "
+                "Start replacements (they join and heal) or lower min_replicas."
+            )
+
+    def _open_and_heal(self, generation: membership.Generation, reset_hook_memory: bool) -> None:
+        membership.open_group(self.run.store, self.run.keys, generation, self.run.uuid, self.run.timeout_s)
+        self.run.generation = generation
+        self.run.heartbeat.watch(generation.members)
+        source = generation.source
+        payload = None
+        if dist.get_rank() == source:
+            reducer = self.ddp.reducer
+            payload = {
+                "step": self._step,
+                "arrivals_seen": self.run.arrivals_seen,
+                "layout": reducer.layout(),
+                "model": self.ddp.module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "hook": hook_state.share(reducer.comm_hook_state, len(reducer.buckets.storages)),
+                "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
+            }
+        device = self.ddp.reducer.buckets.device
+        state = heal.transfer(payload, source, dist.group.WORLD, device)
+        self._rewire(state["layout"])
+        if dist.get_rank() != source:
+            heal.load(self.ddp.module, self.optimizer, state)
+            for name, obj in self.extra_state.items():
+                obj.load_state_dict(state["extra"][name])
+            self._step = state["step"]
+            self.run.arrivals_seen = state["arrivals_seen"]
+        reducer = self.ddp.reducer
+        params = [storage.params for storage in reducer.buckets.storages]
+        hook_state.adopt(reducer.comm_hook_state, state["hook"], params, reset_hook_memory)
+        # The divergence check's digest, on the spot: a heal that left any difference is a bug, not a death.
+        digests: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, heal.fingerprint(self.ddp.module, self.optimizer))
+        if len(set(digests)) != 1:
+            raise HealMismatch(
+                f"after healing generation {generation.number} from rank {source}, rank(s) "
+                f"{[r for r, d in enumerate(digests) if d != digests[source]]} still differ from it."
+            )
+
+    def _rewire(self, layout: dict[str, Any]) -> None:
+        """A fresh reducer over the current default group, with ``layout``'s buckets, keeping local gradients."""
+        ddp = self.ddp
+        hook, state = ddp.reducer.comm_hook, ddp.reducer.comm_hook_state
+        ddp.process_group = dist.group.WORLD
+        ddp._reducer_config["keep_local_grads"] = True
+        ddp._reducer_config["caps"] = list(layout["caps"])
+        membership.bury(ddp.reducer)  # with its buckets and the work handles of its last steps
+        ddp.reducer = ddp._make_reducer()
+        ddp.reducer.adopt_layout(layout["order"], layout["caps"], layout["rebuilt"])
+        if hook is not None:
+            ddp.reducer.register_comm_hook(hook_state.rebind(state, dist.group.WORLD), hook)
+        ddp.reducer.waiter = self._wait_watching
+        if isinstance(self.divisor, int):
+            ddp.reducer.fixed_divisor = float(self.divisor)
+            ddp.reducer._reset_iteration()
+        if ddp._divergence is not None:
+            ddp._divergence.group = dist.group.WORLD
+
+    def _join(self) -> None:
+        """Wait until the members admit this process, then form the generation with them and heal."""
+        started = time.monotonic()
+        run = self.run
+        deadline = started + run.join_timeout_s
+        key = run.keys.admitted(run.uuid)
+        while not run.store.check([key]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not admitted to run {run.run_id} within {run.join_timeout_s:.0f}s.")
+            time.sleep(0.05)
+        number = int(run.store.get(key))
+        generation = membership.await_generation(run.store, run.keys, number, run.uuid, deadline)
+        if run.uuid not in generation.members:
+            self._rejoin()
+            return
+        run.generation = membership.Generation(number - 1, [], 0, [])  # _reconfigure forms ``number`` next
+        try:
+            self._open_and_heal(generation, reset_hook_memory=False)
+        except RuntimeError as error:
+            logger.warning("gradsync.elastic: healing in generation %d failed (%s); retrying", number, error)
+            run.generation = generation
+            self._reconfigure(generation.members, generation.healthy, "a heal failed", False)
+            return
+        self._record("joined and healed", generation.members, started)
+
+    def _rejoin(self) -> None:
+        run = self.run
+        run.store.delete_key(run.keys.admitted(run.uuid))
+        run.generation = None
+        membership.open_alone(run.store, run.keys, run.uuid)
+        run.arrive()
+        self._join()
+
+    def _record(self, reason: str, candidates: list[str], started: float) -> None:
+        generation = self.run.generation
+        entry = {
+            "generation": generation.number,
+            "reason": reason,
+            "world_size": len(generation.members),
+            "left_out": [c for c in candidates if c not in generation.members],
+            "step": self._step,
+            "seconds": time.monotonic() - started,
+        }
+        self.run.history.append(entry)
+        logger.info("gradsync.elastic: %s", entry)
+        if self.on_reconfigure is not None:
+            self.on_reconfigure(dist.get_rank(), dist.get_world_size(), self._step)
+
+    # ------------------------------------------------------------------ waiting for buckets
+    def _wait_watching(self, pending: Any) -> Any:
+        """Wait for one bucket, giving up as soon as a member stops beating or another decided to abort.
+
+        No completion callback: a Python callback run by gloo's thread on a failed work has been
+        seen to end the process (terminate on gloo::IoException); waiting in slices has not.
+        """
+        if isinstance(pending, dist.Work):
+            while True:
+                try:
+                    pending.wait(timedelta(seconds=_SLICE_S))
+                    return None
+                except RuntimeError as error:
+                    if "timed out" not in str(error).lower():
+                        raise
+                self._check_peers()
+        poll, checked = _FIRST_POLL_S, time.monotonic()
+        while not pending.done():
+            time.sleep(poll)
+            poll = min(2 * poll, _MAX_POLL_S)
+            if time.monotonic() - checked > _SLICE_S:
+                self._check_peers()
+                checked = time.monotonic()
+        return wait_for(pending)
+
+    def _check_peers(self) -> None:
+        generation = self.run.generation
+        gone = self.run.heartbeat.stale() & set(generation.members)
+        if gone:
+            ranks = sorted(generation.rank_of(u) for u in gone)
+            raise RuntimeError(f"rank(s) {ranks} stopped beating; their collectives are abandoned")
+        if commit.aborted(self.run.store, self.run.keys, generation.number, self._step):
+            raise RuntimeError("another member decided this step will not commit")

@@ -1,0 +1,41 @@
+"""Where a fault-tolerant run keeps its shared state in the store: every key in one place."""
+
+from __future__ import annotations
+
+
+class Keys:
+    """Key names of run ``run_id``; a generation ``g`` and a step ``s`` name one commit decision."""
+
+    def __init__(self, run_id: str) -> None:
+        self.root = f"gradsync/elastic/{run_id}"
+
+    @property
+    def arrivals(self) -> str:
+        return f"{self.root}/arrivals"  # a counter: processes that asked to take part, ever
+
+    def arrival(self, index: int) -> str:
+        return f"{self.root}/arrival/{index}"  # the uuid of arrival ``index`` (1-based)
+
+    def admitted(self, uuid: str) -> str:
+        return f"{self.root}/admitted/{uuid}"  # the generation a joiner was admitted to
+
+    def heartbeat(self, uuid: str) -> str:
+        return f"{self.root}/heartbeat/{uuid}"
+
+    def left(self, uuid: str) -> str:
+        return f"{self.root}/left/{uuid}"  # a member that finished on purpose
+
+    def members(self, generation: int) -> str:
+        return f"{self.root}/gen/{generation}/members"
+
+    def present(self, generation: int, uuid: str) -> str:
+        return f"{self.root}/gen/{generation}/present/{uuid}"
+
+    def group_prefix(self, generation: int) -> str:
+        return f"{self.root}/gen/{generation}/pg/"
+
+    def ok(self, generation: int, step: int) -> str:
+        return f"{self.root}/gen/{generation}/step/{step}/ok"
+
+    def decision(self, generation: int, step: int) -> str:
+        return f"{self.root}/gen/{generation}/step/{step}/decision"

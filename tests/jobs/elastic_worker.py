@@ -1,0 +1,194 @@
+"""One trainer of a fault-tolerant run, for tests/test_elastic.py: trains, logs, may die on cue.
+
+Every committed step appends ``{"step", "seed"}`` to ``<out>/<name>.jsonl`` (the seed names the
+batch this process contributed), so a single-process replay can redo exactly the committed
+steps. At the end it writes ``<name>.json`` (fingerprint, history) and ``<name>.pt`` (weights).
+
+``--fault PHASE:STEP`` makes this process fail there: ``forward``, ``backward``, ``reduction``
+(in the comm hook), ``between`` (after a committed step) are SIGKILLs; ``hang`` SIGSTOPs itself
+mid-backward; ``disagree`` fails its last bucket locally (no death); ``heal`` dies as the heal
+source of a joiner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync import DistributedDataParallel as DDP
+from gradsync import elastic
+from gradsync.elastic import heal
+from gradsync.hooks import PowerSGDState, allreduce_hook, powersgd_hook
+
+WIDTH = 32
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+        nn.Linear(WIDTH, 4),
+    )  # fmt: skip
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, WIDTH, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def seed_of(step: int, rank: int, world: int) -> int:
+    return step * 1000 + world * 10 + rank
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    import faulthandler
+    import logging
+
+    faulthandler.enable()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(message)s")
+    p = argparse.ArgumentParser()
+    p.add_argument("--store", required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--final-world", type=int, default=0, help="also run until the world has this size")
+    p.add_argument("--await-joiner", action="store_true", help="also run until a joiner was admitted")
+    p.add_argument("--out", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--fault", default="")
+    p.add_argument("--hook", default="")
+    p.add_argument("--bucket-cap-mb", type=float, default=0.002)
+    p.add_argument("--divisor", default="survivors")
+    p.add_argument("--sleep", type=float, default=0.02)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    phase, _, at = args.fault.partition(":")
+    at_step = int(at) if at else -1
+    out = Path(args.out)
+
+    run = elastic.init(
+        store=args.store, run_id=args.run_id, replicas=args.replicas, min_replicas=args.min_replicas,
+        timeout_s=5.0, heartbeat_timeout_s=1.5, join_timeout_s=60.0,
+    )  # fmt: skip
+    ddp = DDP(make_model(), bucket_cap_mb=args.bucket_cap_mb)
+    hook_state = None
+    if args.hook == "powersgd":
+        hook_state = PowerSGDState(None, matrix_approximation_rank=2, start_iter=2)
+        ddp.register_comm_hook(hook_state, powersgd_hook)
+    elif phase in ("reduction", "disagree"):
+        ddp.register_comm_hook(None, _faulty_allreduce(phase, at_step))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    divisor = int(args.divisor) if args.divisor.isdigit() else args.divisor
+    if phase == "heal":
+        _die_as_heal_source()
+    joiner = run.joining
+    ft = elastic.FaultTolerant(ddp, opt, divisor=divisor)
+    _STATE["ft"] = ft
+    log = (out / f"{args.name}.jsonl").open("a")
+    current = {"step": -1, "seed": -1}
+    optimizer_step = opt.step
+
+    def logged_step() -> None:  # FaultTolerant steps the optimizer only for a committed step
+        log.write(json.dumps(current) + "\n")
+        log.flush()
+        optimizer_step()
+
+    opt.step = logged_step
+    if phase == "backward" or phase == "hang":
+        first = ddp.module[0].weight  # its gradient comes last in backward: most buckets are in flight
+        first.register_hook(lambda g: _fault_now(phase, at_step, ft) or g)
+    def waiting() -> bool:  # the same answer on every member at the same step
+        admitted = any(h["reason"].startswith("admitting") for h in run.history)
+        return args.await_joiner and not (joiner or admitted)
+
+    while ft.step_count < args.steps or ft.world_size < args.final_world or waiting():
+        step = ft.step_count
+        seed = seed_of(step, ft.rank, ft.world_size)
+        x, y = batch(seed)
+        if phase == "forward" and step == at_step:
+            die()
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        current.update(step=step, seed=seed)
+        ft.step()
+        if phase == "between" and step == at_step:
+            die()
+        time.sleep(args.sleep)
+    result = {
+        "name": args.name,
+        "pid": os.getpid(),
+        "fingerprint": heal.fingerprint(ddp.module, opt, buffers=False),
+        "identical": ft.replicas_identical(),
+        "step": ft.step_count,
+        "world_size": ft.world_size,
+        "generation": ft.generation,
+        "history": run.history,
+        "hook": _hook_digest(hook_state),
+    }
+    torch.save(ddp.module.state_dict(), out / f"{args.name}.pt")
+    (out / f"{args.name}.json").write_text(json.dumps(result))
+    dist.barrier()  # nobody leaves while another still checks
+    ft.close()
+
+
+_STATE: dict = {}
+
+
+def _fault_now(phase: str, at_step: int, ft: elastic.FaultTolerant) -> None:
+    if ft.step_count != at_step:
+        return None
+    if phase == "backward":
+        die()
+    if phase == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return None
+
+
+def _faulty_allreduce(phase: str, at_step: int):  # noqa: ANN202
+    def hook(state, bucket):  # noqa: ANN001, ANN202 - torch checks hook annotations
+        ft = _STATE.get("ft")
+        if ft is not None and ft.step_count == at_step and ft.generation == 0:
+            if phase == "reduction" and bucket.index() == 1:
+                die()
+            if phase == "disagree" and bucket.is_last():
+                fut: torch.futures.Future = torch.futures.Future()
+                fut.set_exception(RuntimeError("injected: this rank's last bucket failed"))
+                return fut
+        return allreduce_hook(state, bucket)
+
+    return hook
+
+
+def _die_as_heal_source() -> None:
+    real = heal.transfer
+
+    def transfer(payload, source, group, device):  # noqa: ANN001, ANN202
+        if payload is not None and dist.get_world_size() > 2 and _STATE.get("ft") is not None:
+            die()  # the source of a joiner's heal, before anything was sent
+        return real(payload, source, group, device)
+
+    heal.transfer = transfer
+
+
+def _hook_digest(state: PowerSGDState | None) -> str:
+    if state is None:
+        return ""
+    qs = [state.q_memory.get(b) for b in range(64) if state.q_memory.get(b) is not None]
+    return str([round(float(q.double().sum()), 12) for q in qs]) + f"/iter={state.iter}"
+
+
+if __name__ == "__main__":
+    main()

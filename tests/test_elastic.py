@@ -1,0 +1,145 @@
+"""Fault-tolerant mode: the survivors of a death go on, and a replacement is healed from them.
+
+Each test runs real trainer processes (tests/jobs/elastic_worker.py) around a store hosted here,
+kills or stops one on cue, and checks against references that do not come from gradsync:
+- a single-process replay of exactly the committed steps and the batches their members
+  contributed (final weights equal to float tolerance, no step missing);
+- sha256 digests of every parameter and optimizer-state tensor, equal on every survivor;
+- the survivors are the processes started at the beginning (never restarted).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_support import ElasticJob, committed_batches, max_difference, replay
+
+STEPS = 10
+TOLERANCE = 1e-5
+pytestmark = pytest.mark.timeout(90)
+
+
+def _check_survivors(job: ElasticJob, out: Path, names: list[str], steps: int, world: int, divisor: int | None = None):
+    results = job.finish(names, timeout_s=60)
+    for result in results:
+        assert result["pid"] == job.procs[result["name"]].pid  # never restarted
+        assert result["step"] >= steps and result["world_size"] == world
+        assert result["identical"], result
+    assert len({r["fingerprint"] for r in results}) == 1
+    reference = replay(out, results[0]["step"], divisor)
+    for name in names:
+        assert max_difference(reference, torch.load(out / f"{name}.pt")) < TOLERANCE
+    return results
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "reduction", "between"])
+def test_after_a_kill_in_any_phase_the_survivors_commit_every_step(phase: str, tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, f"kill-{phase}", replicas=3, steps=STEPS)
+    for name in ("a", "b"):
+        job.start(name)
+    job.start("c", fault=f"{phase}:4")
+    results = _check_survivors(job, tmp_path, ["a", "b"], STEPS, 2)
+    history = results[0]["history"]
+    assert [h["world_size"] for h in history] == [2] and len(history[0]["left_out"]) == 1
+    batches = committed_batches(tmp_path)
+    # Only the dead rank's batch of the interrupted step is lost ("between": it died after committing).
+    lost_at = 5 if phase == "between" else 4
+    assert [len(batches[s]) for s in range(STEPS)] == [3] * lost_at + [2] * (STEPS - lost_at)
+
+
+def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, "kill-two", replicas=4, steps=STEPS)
+    for name in ("a", "b"):
+        job.start(name)
+    for name in ("c", "d"):
+        job.start(name, fault="backward:4")
+    results = _check_survivors(job, tmp_path, ["a", "b"], STEPS, 2)
+    assert sum(len(h["left_out"]) for h in results[0]["history"]) == 2
+
+
+def test_a_replacement_with_other_buckets_is_healed_from_a_survivor(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, "heal", replicas=3, steps=STEPS, final_world=3)
+    for name in ("a", "b"):
+        job.start(name)
+    job.start("c", fault="backward:3")
+    job.wait_for_exit("c", timeout_s=60)
+    # A restarted replica, configured with other bucket caps than its peers (one bucket instead of several).
+    job.start("d", bucket_cap_mb=25)
+    results = _check_survivors(job, tmp_path, ["a", "b", "d"], STEPS, 3)
+    joined = json.loads((tmp_path / "d.json").read_text())["history"]
+    assert joined[0]["reason"] == "joined and healed"
+    assert [h["world_size"] for h in results[0]["history"]] == [2, 3]
+
+
+def test_the_joiner_retries_when_its_heal_source_dies(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, "heal-dies", replicas=3, steps=STEPS, await_joiner="")
+    job.start("a", fault="heal")  # rank 0: the heal source of the joiner, dies as it starts sending
+    job.wait_arrivals(1)
+    job.start("b")
+    job.start("c", fault="backward:3")
+    job.wait_for_exit("c", timeout_s=60)
+    job.start("d")
+    _check_survivors(job, tmp_path, ["b", "d"], STEPS, 2)
+
+
+def test_a_hung_rank_is_left_behind_within_the_heartbeat_timeout(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, "hang", replicas=3, steps=STEPS)
+    for name in ("a", "b"):
+        job.start(name)
+    job.start("c", fault="hang:4")
+    job.wait_stopped("c", timeout_s=60)
+    stopped = time.monotonic()
+    results = _check_survivors(job, tmp_path, ["a", "b"], STEPS, 2)
+    # 1.5 s heartbeat timeout, then forming, healing and the redo; far below the 5 s collective timeout x buckets.
+    assert results[0]["history"][0]["seconds"] < 5.0
+    assert time.monotonic() - stopped < 30
+
+
+@pytest.mark.slow
+def test_a_forced_disagreement_on_the_last_bucket_ends_in_one_decision(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, "disagree", replicas=3, steps=STEPS)
+    job.start("a")
+    job.start("b", fault="disagree:4")  # b's last bucket fails; a and c complete theirs or wait
+    job.start("c")
+    results = _check_survivors(job, tmp_path, ["a", "b", "c"], STEPS, 3)
+    history = results[0]["history"]
+    assert len(history) == 1 and history[0]["left_out"] == [] and "aborted" in history[0]["reason"]
+    assert [len(v) for v in committed_batches(tmp_path).values()] == [3] * STEPS  # nothing lost: redone by all
+
+
+def test_powersgd_state_is_healed_across_a_reconfiguration(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, "powersgd", replicas=3, steps=STEPS, final_world=3, hook="powersgd")
+    for name in ("a", "b"):
+        job.start(name)
+    job.start("c", fault="backward:4")
+    job.wait_for_exit("c", timeout_s=60)
+    job.start("d")
+    results = job.finish(["a", "b", "d"], timeout_s=60)
+    assert len({r["fingerprint"] for r in results}) == 1 and all(r["identical"] for r in results)
+    assert len({r["hook"] for r in results}) == 1 and results[0]["hook"]  # the same Q matrices and iteration
+    assert sorted(committed_batches(tmp_path)) == list(range(results[0]["step"]))
+
+
+def test_a_fixed_divisor_divides_by_the_configured_count(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, "fixed", replicas=3, steps=STEPS, divisor=3)
+    for name in ("a", "b"):
+        job.start(name)
+    job.start("c", fault="backward:4")
+    _check_survivors(job, tmp_path, ["a", "b"], STEPS, 2, divisor=3)
+
+
+def test_fewer_survivors_than_min_replicas_is_an_error_naming_the_dead_rank(tmp_path: Path) -> None:
+    job = ElasticJob(tmp_path, "min", replicas=3, steps=STEPS, min_replicas=3)
+    for name in ("a", "b"):
+        job.start(name)
+    job.wait_arrivals(2)  # so that the victim is rank 2
+    job.start("c", fault="backward:4")
+    for name in ("a", "b"):
+        assert job.wait_for_exit(name, timeout_s=60) != 0
+        assert "Rank(s) [2] of generation 0 died" in job.log(name) and "min_replicas=3" in job.log(name)
+    job.kill_all()
