@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench clean
+.PHONY: demo demo-elastic test lint bench clean
 
 $(STAMP): pyproject.toml Makefile constraints-dev.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml Makefile constraints-dev.txt setup.py
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_digits.py
+
+# Fault tolerance: 3 replicas, one killed mid-backward, the others go on, it heals (examples/elastic_demo.py).
+demo-elastic: $(STAMP)
+	$(PY) examples/elastic_demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -9,7 +9,7 @@ arguments):
    (``DistributedDataParallel.forward``, the reducer's per-parameter hook, its per-bucket
    launch, its end-of-backward finalize, ...) are wrapped; wall time is charged to the
    innermost open section (exclusive time). Time spent in the user's module forward and
-   waiting for all-reduces (``bucket_set._wait``) is charged to sections of its own and
+   waiting for all-reduces (``bucket_set.wait_for``) is charged to sections of its own and
    left out of gradsync's total. What remains is gradsync's Python plus the torch calls
    it makes (copies, launching collectives): what a C++ reducer would not pay in Python.
    The wrapper itself costs a little per call; it is measured and reported, not subtracted.
@@ -50,7 +50,7 @@ PATCHES: list[tuple[Any, str, str]] = [
     (Reducer, "_on_grad_accumulated", "Reducer._on_grad_accumulated (per parameter)"),
     (Reducer, "_launch", "Reducer._launch (per bucket: copy in, start all-reduce)"),
     (Reducer, "_finalize_callback", "Reducer._finalize_callback (wait, copy out)"),
-    (gradsync.bucket_set, "_wait", "[not gradsync] waiting for the all-reduce"),
+    (gradsync.bucket_set, "wait_for", "[not gradsync] waiting for the all-reduce"),
 ]
 NOT_GRADSYNC = "[not gradsync]"
 MODULE_FORWARD = "[not gradsync] the wrapped module's forward"
