@@ -35,7 +35,8 @@ def main() -> int:
     replicas = []
     for index in range(REPLICAS):
         extra = ["--kill-at-step", str(KILL_AT_STEP)] if index == REPLICAS - 1 else []
-        print(f"replica {index}: torchrun --standalone --nproc-per-node 1 --max-restarts 3 {script.name} {' '.join(extra)}")
+        command = f"torchrun --standalone --nproc-per-node 1 --max-restarts 3 {script.name} {' '.join(extra)}"
+        print(f"replica {index}: {command}")
         replicas.append(subprocess.Popen([*torchrun, "--max-restarts", "3", str(script), *extra], env=env))
     codes = [replica.wait(timeout=600) for replica in replicas]
     print(f"replica exit codes: {codes}")

@@ -62,7 +62,7 @@ def main() -> None:
     bar = None
 
     def on_reconfigure(rank: int, world_size: int, step: int) -> None:
-        if bar is not None:
+        if bar is not None and not bar.disable:
             bar.set_postfix(world=world_size)
             bar.write(f"step {step}: world size {world_size} (generation {run.generation.number})")
 

@@ -15,16 +15,15 @@ decision names them, so every member starts the same next generation.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from .heartbeat import Heartbeat
 from .keys import Keys
 
-_FIRST_POLL_S = 0.0002
-_MAX_POLL_S = 0.005
+_SLICE = timedelta(seconds=0.5)  # how often a member waiting for the decision looks at the heartbeats
 
 
 @dataclass(frozen=True)
@@ -54,14 +53,16 @@ def decide(
             _propose(store, key, Decision(True, admit, max(arrived, arrivals_seen)))
     else:
         _propose(store, key, Decision(False, [], arrivals_seen, failure))
-    poll = _FIRST_POLL_S
-    while not store.check([key]):
-        gone = heartbeat.stale() & set(members)
-        if gone:
-            _propose(store, key, Decision(False, [], arrivals_seen, f"members {sorted(gone)} stopped beating"))
-        time.sleep(poll)
-        poll = min(2 * poll, _MAX_POLL_S)
-    return Decision(**json.loads(store.get(key)))
+    while True:
+        try:
+            # The store answers a wait as soon as the key is set: no polling on the happy path. A
+            # wait that times out (a member is slow or gone) logs a line from torch's C++ client.
+            store.wait([key], _SLICE)
+            return Decision(**json.loads(store.get(key)))
+        except dist.DistStoreError:
+            gone = heartbeat.stale() & set(members)
+            if gone:
+                _propose(store, key, Decision(False, [], arrivals_seen, f"members {sorted(gone)} stopped beating"))
 
 
 def _propose(store: dist.Store, key: str, decision: Decision) -> None:

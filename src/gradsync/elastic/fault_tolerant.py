@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..bucket_set import wait_for
 from ..ddp import DistributedDataParallel
+from ..debug import fingerprint
 from . import commit, heal, hook_state, membership
 from .run import ElasticRun, current
 
@@ -228,20 +229,11 @@ class FaultTolerant:
         self.run.generation = generation
         self.run.heartbeat.watch(generation.members)
         source = generation.source
-        payload = None
-        if dist.get_rank() == source:
-            reducer = self.ddp.reducer
-            payload = {
-                "step": self._step,
-                "arrivals_seen": self.run.arrivals_seen,
-                "layout": reducer.layout(),
-                "model": self.ddp.module.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "hook": hook_state.share(reducer.comm_hook_state, len(reducer.buckets.storages)),
-                "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
-            }
-        device = self.ddp.reducer.buckets.device
-        state = heal.transfer(payload, source, dist.group.WORLD, device)
+        # Members that all hold the state agree on parameters and optimizer state already (every
+        # committed step was applied by all of them): only what can differ travels.
+        everything = len(generation.healthy) < len(generation.members)
+        payload = self._payload(everything) if dist.get_rank() == source else None
+        state = heal.transfer(payload, source, dist.group.WORLD, self.ddp.reducer.buckets.device)
         self._rewire(state["layout"])
         if dist.get_rank() != source:
             heal.load(self.ddp.module, self.optimizer, state)
@@ -252,13 +244,34 @@ class FaultTolerant:
         reducer = self.ddp.reducer
         params = [storage.params for storage in reducer.buckets.storages]
         hook_state.adopt(reducer.comm_hook_state, state["hook"], params, reset_hook_memory)
-        # The divergence check's digest, on the spot: a heal that left any difference is a bug, not a death.
-        digests: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, heal.fingerprint(self.ddp.module, self.optimizer))
-        if len(set(digests)) != 1:
+        self._check_identical(generation)
+
+    def _payload(self, everything: bool) -> dict[str, Any]:
+        """What the heal source sends: the whole state for joiners, else what may differ (buffers)."""
+        reducer = self.ddp.reducer
+        model = self.ddp.module.state_dict() if everything else dict(self.ddp.module.named_buffers())
+        return {
+            "step": self._step,
+            "arrivals_seen": self.run.arrivals_seen,
+            "layout": reducer.layout(),
+            "model": model,
+            "optimizer": self.optimizer.state_dict() if everything else None,
+            "hook": hook_state.share(reducer.comm_hook_state, len(reducer.buckets.storages)),
+            "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
+        }
+
+    def _check_identical(self, generation: membership.Generation) -> None:
+        """The divergence check's fingerprint over everything a heal makes equal; a difference is a bug."""
+        tensors = [t for t in self.ddp.module.state_dict().values()]
+        tensors += [t for s in self.optimizer.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t)]
+        mine = fingerprint(tensors)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        differ = [rank for rank, theirs in enumerate(every) if not torch.equal(theirs, every[generation.source])]
+        if differ:
             raise HealMismatch(
-                f"after healing generation {generation.number} from rank {source}, rank(s) "
-                f"{[r for r, d in enumerate(digests) if d != digests[source]]} still differ from it."
+                f"after healing generation {generation.number} from rank {generation.source}, rank(s) {differ} "
+                "still differ from it."
             )
 
     def _rewire(self, layout: dict[str, Any]) -> None:

@@ -81,12 +81,13 @@ def transfer(payload: Any, source: int, group: dist.ProcessGroup, device: torch.
 
 
 def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load what ``transfer`` delivered into the model and the optimizer (bit for bit)."""
+    """Load what ``transfer`` delivered into the model (all of it, or its buffers) and the optimizer."""
     with torch.no_grad():
         own = module.state_dict(keep_vars=True)
         for name, value in state["model"].items():
             own[name].copy_(value)  # in place: parameters stay the objects the buckets and optimizer hold
-    optimizer.load_state_dict(state["optimizer"])
+    if state["optimizer"] is not None:
+        optimizer.load_state_dict(state["optimizer"])
 
 
 def fingerprint(module: torch.nn.Module, optimizer: torch.optim.Optimizer, buffers: bool = True) -> str:
