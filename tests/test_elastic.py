@@ -11,6 +11,8 @@ kills or stops one on cue, and checks against references that do not come from g
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from elastic_support import ElasticJob, committed_batches, max_difference, replay
+from gradsync.elastic import serve
 
 STEPS = 10
 TOLERANCE = 1e-5
@@ -143,3 +146,24 @@ def test_fewer_survivors_than_min_replicas_is_an_error_naming_the_dead_rank(tmp_
         assert job.wait_for_exit(name, timeout_s=60) != 0
         assert "Rank(s) [2] of generation 0 died" in job.log(name) and "min_replicas=3" in job.log(name)
     job.kill_all()
+
+
+def test_misuse_is_refused_with_a_message_saying_what_to_do(tmp_path: Path) -> None:
+    store = serve("127.0.0.1", 0)
+    script = Path(__file__).parent / "jobs" / "elastic_misuse.py"
+    done = subprocess.run(
+        [sys.executable, str(script), f"127.0.0.1:{store.port}"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["no store"].startswith("ValueError") and "GRADSYNC_STORE" in found["no store"]
+    assert found["no replicas"].startswith("ValueError") and "GRADSYNC_REPLICAS" in found["no replicas"]
+    assert "min_replicas must be between 1 and replicas (1)" in found["min above replicas"]
+    assert "is not host:port" in found["bad address"]
+    assert found["bucket views"].startswith("ValueError") and "gradient_as_bucket_view=True" in found["bucket views"]
+    assert found["not gradsync"].startswith("TypeError") and "Linear" in found["not gradsync"]
+    assert "divisor must be 'survivors' or a positive int" in found["bad divisor"]
+    assert "comm hooks divide by the group's size" in found["fixed divisor with a hook"]
+    assert found["unknown hook state"].startswith("TypeError") and "object" in found["unknown hook state"]
+    assert "found no reduced gradients" in found["step before backward"]
+    assert found["one replica trains"] == "True step_count=1 world=1"

@@ -32,6 +32,7 @@ from . import commit, heal, hook_state, membership
 from .run import ElasticRun, current
 
 logger = logging.getLogger(__name__)
+_LOOK_FOR_JOINERS_S = 0.5  # how often a member checks the store for arrivals, at most
 _SLICE_S = 0.1  # how often a wait for a bucket looks at its peers' heartbeats
 _FIRST_POLL_S, _MAX_POLL_S = 0.0001, 0.002  # polling a comm hook's future
 
@@ -79,6 +80,7 @@ class FaultTolerant:
         self.on_reconfigure = on_reconfigure
         self.divisor = divisor
         self._step = 0
+        self._looked_for_joiners = 0.0
         if self.run.joining:
             self._join()
         else:
@@ -137,8 +139,10 @@ class FaultTolerant:
         while True:
             generation = self.run.generation
             failure = "; ".join(reducer.failures)
+            look = time.monotonic() - self._looked_for_joiners > _LOOK_FOR_JOINERS_S
             decision = commit.decide(
                 self.run.store,
+                self.run.quick_store,
                 self.run.keys,
                 generation.number,
                 self._step,
@@ -147,7 +151,10 @@ class FaultTolerant:
                 failure,
                 self.run.arrivals_seen,
                 self.run.heartbeat,
+                look,
             )
+            if look:
+                self._looked_for_joiners = time.monotonic()
             if decision.commit:
                 self._apply(decision)
                 return True

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from . import membership
+from .commit import QUICK_TIMEOUT
 from .heartbeat import Heartbeat
 from .keys import Keys
 from .membership import Generation
@@ -34,6 +35,7 @@ class ElasticRun:
     run_id: str
     keys: Keys
     store: dist.TCPStore
+    quick_store: dist.TCPStore  # the same store, for reads that give up soon (commit.QUICK_TIMEOUT)
     uuid: str
     heartbeat: Heartbeat
     replicas: int
@@ -99,6 +101,7 @@ def init(
         keys.root.rsplit("/", 1)[-1],
         keys,
         client,
+        connect(address, QUICK_TIMEOUT),
         me,
         heartbeat,
         count,
