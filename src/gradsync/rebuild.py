@@ -12,12 +12,17 @@ with ``find_unused_parameters`` unless the graph is static; torch makes the same
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from .agreement import agree_on_order
 from .bucket_set import BucketSet
 from .debug import DesyncDetector
+
+logger = logging.getLogger("gradsync.reducer")
 
 
 class BucketRebuild:
@@ -43,3 +48,35 @@ class BucketRebuild:
         self.done = True
         self.order = []
         return buckets.rebuilt(order, caps, as_view, in_place)
+
+
+class RebuildsBuckets:
+    """Mixed into ``Reducer``: the one-time rebuild, also torch's ``Reducer._rebuild_buckets()``."""
+
+    @property
+    def rebuilt(self: Any) -> bool:
+        return self._rebuild.done
+
+    def _rebuild_buckets(self: Any) -> bool:
+        """Rebuild the buckets once, after the first synced backward; True if this call did.
+
+        [Note: bucket rebuild] in rebuild.py. Also torch's ``Reducer._rebuild_buckets()``, which
+        Lightning calls before every manual backward: every call after the rebuild is a no-op.
+        """
+        if not self._rebuild.pending or self.iteration < 1 or self.reducing:
+            return False
+        self.phase = "the one-time bucket rebuild broadcast"
+        rebuild = self._rebuild
+        try:
+            order = rebuild.agreed_order(self.process_group, self.buckets.device, self.desync, self.synced_forwards)
+        except RuntimeError as error:
+            if self.keep_local:  # fault-tolerant mode: the step is decided, and the buckets shipped, later
+                self.failures.append(f"the bucket order broadcast failed: {error}")
+                return False
+            raise RuntimeError(self.collective_failure_message(str(error))) from error
+        self._results = []  # the last iteration's work handles still reference the old buffers
+        in_place = self.comm_hook is None and not self.keep_local
+        self.buckets = rebuild.apply(self.buckets, order, self.caps, self.as_view, in_place)
+        self._reset_iteration()
+        logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))
+        return True

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -47,8 +46,8 @@ from .bucket_set import BucketSet
 from .debug import DesyncDetector, Position
 from .labels import label
 from .launch import CommHook
-from .liveness import roll_call
-from .rebuild import BucketRebuild
+from .rebuild import BucketRebuild, RebuildsBuckets
+from .reducer_reports import ReducerReports
 from .static_graph import StaticGraphCounts
 from .stats import IterationTimes, RunningStats, now
 from .tolerant import TolerantReduction
@@ -64,7 +63,7 @@ class ReducerState(enum.Enum):
     FINALIZED = "finalized"  # averaged gradients of the last synced forward are in .grad
 
 
-class Reducer(TorchReducerSurface, TolerantReduction):
+class Reducer(TorchReducerSurface, TolerantReduction, ReducerReports, RebuildsBuckets):
     """Buckets, readiness tracking and reduction for one wrapped module."""
 
     def __init__(
@@ -402,79 +401,6 @@ class Reducer(TorchReducerSurface, TolerantReduction):
         self.iteration += 1
         if self._errors:
             self._raise_errors()
-
-    def _raise_errors(self) -> None:
-        """Raise what went wrong in this backward: a comm hook's own exception first, as itself."""
-        exceptions = [e for e in self._errors if isinstance(e, BaseException)]
-        messages = list(dict.fromkeys(e for e in self._errors if isinstance(e, str)))
-        if exceptions:
-            error = exceptions[0]
-            for message in messages:
-                errors.add_note(error, message)
-            self.last_error = str(error)
-            raise error
-        message = "; ".join(messages)
-        if any(" failed on bucket " in e for e in messages):
-            message = self.collective_failure_message(message, iteration=self.iteration - 1)
-        self.last_error = message
-        raise RuntimeError(message)
-
-    def collective_failure_message(self, detail: str, iteration: int | None = None) -> str:
-        """Where this rank was when a collective failed, and which ranks are gone."""
-        iteration = self.iteration if iteration is None else iteration
-        where = f"{self.phase} of iteration {iteration}"
-        return f"Rank {self.rank}: a collective failed during {where}: {detail}. {roll_call(where)}"
-
-    def _record_iteration(self) -> None:
-        times = self.times
-        times.finalize_end = now()
-        unused_indices = tuple(sorted(self._marked_unused))
-        if self._last_unused is not None and unused_indices != self._last_unused:
-            self.graph_static = False
-        self._last_unused = unused_indices
-        unused = tuple(self.names[i] for i in unused_indices)
-        self.running.add(times, self.buckets.nbytes, unused)
-        if self.timeline is not None:
-            self.timeline.add_iteration(self.iteration, times, [s.nbytes for s in self.buckets.storages])
-        if self.find_unused and not unused and not self._warned_nothing_unused and not self.static_graph:
-            self._warned_nothing_unused = True
-            warnings.warn(errors.nothing_unused(self.rank, self.iteration), UserWarning, stacklevel=2)
-
-    # ------------------------------------------------------------------ rebuild
-    @property
-    def rebuilt(self) -> bool:
-        return self._rebuild.done
-
-    def _rebuild_buckets(self) -> bool:
-        """Rebuild the buckets once, after the first synced backward; True if this call did.
-
-        [Note: bucket rebuild] in rebuild.py. Also torch's ``Reducer._rebuild_buckets()``, which
-        Lightning calls before every manual backward: every call after the rebuild is a no-op.
-        """
-        if not self._rebuild.pending or self.iteration < 1 or self.state is ReducerState.REDUCING:
-            return False
-        self.phase = "the one-time bucket rebuild broadcast"
-        rebuild = self._rebuild
-        try:
-            order = rebuild.agreed_order(self.process_group, self.buckets.device, self.desync, self.synced_forwards)
-        except RuntimeError as error:
-            if self.keep_local:  # fault-tolerant mode: the step is decided, and the buckets shipped, later
-                self.failures.append(f"the bucket order broadcast failed: {error}")
-                return False
-            raise RuntimeError(self.collective_failure_message(str(error))) from error
-        self._results = []  # the last iteration's work handles still reference the old buffers
-        in_place = self.comm_hook is None and not self.keep_local
-        self.buckets = rebuild.apply(self.buckets, order, self.caps, self.as_view, in_place)
-        self._reset_iteration()
-        logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))
-        return True
-
-    # ------------------------------------------------------------------ errors
-    def _twice_error(self, index: int) -> str:
-        return errors.gradient_in_pieces(self.names[index], self.rank, self.iteration)
-
-    def _static_graph_error(self, index: int) -> str:
-        return self._static.changed_error(self.names[index], index, self.rank, self.iteration)
 
     @property
     def reducing(self) -> bool:
