@@ -167,3 +167,19 @@ def test_misuse_is_refused_with_a_message_saying_what_to_do(tmp_path: Path) -> N
     assert found["unknown hook state"].startswith("TypeError") and "object" in found["unknown hook state"]
     assert "found no reduced gradients" in found["step before backward"]
     assert found["one replica trains"] == "True step_count=1 world=1"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_demo_kills_a_replica_restarted_by_its_torchrun_and_heals_it() -> None:
+    """``make demo-elastic``: one torchrun per replica, a store outside them, a real restart."""
+    demo = Path(__file__).parent.parent / "examples" / "elastic_demo.py"
+    done = subprocess.run([sys.executable, str(demo)], capture_output=True, text=True, timeout=220)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "[victim] SIGKILL in the middle of backward" in output
+    assert "world size 2 (generation 1)" in output  # the survivors went on without it
+    assert "[joiner] healed from a live peer" in output  # torchrun restarted it; it joined
+    assert output.count("replicas identical: True") == 3
+    assert "same accuracy as the replay: True" in output
+    assert "replica exit codes: [0, 0, 0]" in output
