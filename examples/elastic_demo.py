@@ -1,7 +1,7 @@
 """``make demo-elastic``: three replicas of examples/train_elastic_digits.py, one killed and healed.
 
 Hosts the run's store (it outlives every trainer), starts one torchrun per replica (each
-restarts only its own replica), tells the third to die mid-backward at step 60, and waits.
+restarts only its own replica), has the last rank die mid-backward at step 60, and waits.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> int:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     replicas = []
     for index in range(REPLICAS):
-        extra = ["--kill-at-step", str(KILL_AT_STEP)] if index == REPLICAS - 1 else []
+        extra = ["--kill-at-step", str(KILL_AT_STEP), "--kill-rank", str(REPLICAS - 1)]  # the last rank dies
         command = f"torchrun --standalone --nproc-per-node 1 --max-restarts 3 {script.name} {' '.join(extra)}"
         print(f"replica {index}: {command}")
         replicas.append(subprocess.Popen([*torchrun, "--max-restarts", "3", str(script), *extra], env=env))

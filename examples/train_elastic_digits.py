@@ -11,12 +11,13 @@ examples/elastic_demo.py):
     done
 
 On several machines: the same command on each, with GRADSYNC_STORE naming the store's host.
-``--kill-at-step N`` makes this replica SIGKILL itself in the middle of backward at step N (first
-attempt only): the survivors abandon the step's collectives, agree on the new membership, redo
-the step's reduction over themselves and continue; torchrun restarts the replica, which joins at
-the next committed step and is healed from a survivor. At the end rank 0 replays the committed
-steps in one process (the batches of exactly the members of each step) and checks it reaches
-the same test accuracy, and every replica checks the others hold identical weights.
+``--kill-at-step N`` makes the replica that has rank ``--kill-rank`` (2) SIGKILL itself in the
+middle of backward at step N (first attempt only): the survivors abandon the step's collectives,
+agree on the new membership, redo the step's reduction over themselves and continue; torchrun
+restarts the replica, which joins at the next committed step and is healed from a survivor. At
+the end rank 0 replays the committed steps in one process (the batches of exactly the members of
+each step) and checks it reaches the same test accuracy, and every replica checks the others hold
+identical weights.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--kill-at-step", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=2, help="the rank that dies at --kill-at-step")
     parser.add_argument("--step-delay", type=float, default=0.03, help="seconds per step, so a person can watch")
     parser.add_argument("--log-dir", type=Path, default=Path(os.environ.get("GRADSYNC_DEMO_LOGS", "elastic-logs")))
     args = parser.parse_args()
@@ -83,7 +85,7 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if args.kill_at_step >= 0 and attempt == 0:
         first = model.module[0].weight  # its gradient comes last: the other buckets are in flight by then
-        first.register_hook(lambda g: _die() if ft.step_count == args.kill_at_step else g)
+        first.register_hook(lambda g: _die() if (ft.step_count, ft.rank) == (args.kill_at_step, args.kill_rank) else g)
     bar = tqdm(total=args.steps, initial=ft.step_count, disable=ft.rank != 0 or joiner, desc="steps")
     bar.set_postfix(world=ft.world_size)
     x_all, y_all = train_set.tensors
