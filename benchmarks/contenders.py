@@ -24,6 +24,8 @@ Cap = Any  # MiB as a number, or "auto"
 DESCRIPTIONS = {
     "gradsync": "gradsync DDP, default arguments (25 MiB buckets, 1 MiB first bucket)",
     "gradsync_best": "gradsync DDP, gradient_as_bucket_view=True and the best bucket_cap_mb of the sweep",
+    "gradsync_fused": "gradsync_best's settings, and the SGD step of each bucket run as its all-reduce completes "
+    "(ddp._register_fused_optim)",
     "torch_ddp": "torch.nn.parallel.DistributedDataParallel, default arguments",
     "torch_ddp_view": "torch DDP with gradient_as_bucket_view=True",
     "no_comm": "the bare module: each rank trains alone (the floor)",
@@ -38,6 +40,8 @@ def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Cal
     """``(model, after_backward)`` for contender ``name``; ``cap`` is for ``gradsync_best``."""
     if name == "gradsync":
         return GradsyncDDP(module), None
+    if name == "gradsync_fused":  # the suite registers the optimizer (make_contender)
+        return GradsyncDDP(module, gradient_as_bucket_view=True, bucket_cap_mb=cap), None
     if name == "gradsync_best" or name.startswith("gradsync_view_"):
         return GradsyncDDP(module, gradient_as_bucket_view=True, bucket_cap_mb=cap), None
     if name == "torch_ddp":

@@ -44,8 +44,8 @@ def test_every_name_torch_defines_is_gradsync_s_own() -> None:
 
 
 def test_internals_without_a_counterpart_say_so() -> None:
-    with pytest.raises(NotImplementedError, match="_register_fused_optim is an internal of torch's"):
-        TorchDDPSurface._register_fused_optim(object(), torch.optim.SGD)
+    with pytest.raises(NotImplementedError, match="_register_buffer_comm_hook is an internal of torch's"):
+        TorchDDPSurface._register_buffer_comm_hook(object(), None, None)
 
 
 # Keys torch's logger adds only later: runtime stats once sampled, rebuilt sizes at the 3rd forward,

@@ -230,11 +230,13 @@ class BucketSet:
         unused: set[int],
         hook_name: str | None,
         times: IterationTimes,
+        after_bucket: Callable[[int], None] | None = None,
     ) -> list[str]:
         """Wait for every launched bucket in order and write the averages to ``.grad``.
 
         Each bucket is copied out as soon as it is waited for, while later ones are still in
-        flight. Returns error messages (bad hook results, failed collectives); the caller raises.
+        flight; ``after_bucket(b)`` then runs (a fused optimizer's step). Returns error messages
+        (bad hook results, failed collectives); the caller raises.
         """
         errors: list[str] = []
         for b, pending in enumerate(results):
@@ -249,6 +251,8 @@ class BucketSet:
             problem = self._write_result(b, result, as_view, globally_used, unused, hook_name)
             if problem:
                 errors.append(problem)
+            elif after_bucket is not None:
+                after_bucket(b)
         times.reductions_done = max(times.bucket_done, default=0.0) or now()
         self.begin_iteration()
         return errors

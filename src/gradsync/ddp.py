@@ -142,7 +142,9 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
 
     def _make_reducer(self) -> Reducer:
         config = dict(self._reducer_config)
-        return Reducer(self._named_params, config.pop("sparse"), self.process_group, config.pop("caps"), **config)
+        reducer = Reducer(self._named_params, config.pop("sparse"), self.process_group, config.pop("caps"), **config)
+        reducer.fused_optimizer = getattr(self, "_fused_optimizer", None)  # set by _register_fused_optim
+        return reducer
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:

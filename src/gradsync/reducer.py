@@ -44,6 +44,7 @@ from torch.autograd import Variable
 from . import errors, graph, launch, ownership
 from .bucket_set import BucketSet
 from .debug import DesyncDetector, Position
+from .fused_optim import FusedOptimizer
 from .labels import label
 from .launch import CommHook
 from .rebuild import BucketRebuild, RebuildsBuckets
@@ -112,6 +113,7 @@ class Reducer(TorchReducerSurface, TolerantReduction, ReducerReports, RebuildsBu
         self._known_unused: set[int] = set()
         self.initial_bucket_sizes = [s.nbytes for s in self.buckets.storages]
         self.comm_hook: CommHook | None = None
+        self.fused_optimizer: FusedOptimizer | None = None  # ddp._register_fused_optim
         self.comm_hook_state: Any = None
         self.state = ReducerState.IDLE
         self.iteration = 0  # synced backwards finalized so far
@@ -380,9 +382,10 @@ class Reducer(TorchReducerSurface, TolerantReduction, ReducerReports, RebuildsBu
         if self.keep_local:
             self._wait_and_defer(globally_used)
         else:
+            after = None if self.fused_optimizer is None else self._step_fused
             self._errors.extend(
                 self.buckets.write_back(
-                    self._results, self.as_view, globally_used, self._marked_unused, self.hook_name, self.times
+                    self._results, self.as_view, globally_used, self._marked_unused, self.hook_name, self.times, after
                 )
             )
         # Every handle was waited for: let go of them now rather than at the next iteration, so
@@ -406,6 +409,9 @@ class Reducer(TorchReducerSurface, TolerantReduction, ReducerReports, RebuildsBu
     def reducing(self) -> bool:
         """A synced backward is running: buckets are being launched."""
         return self.state is ReducerState.REDUCING
+
+    def _step_fused(self, b: int) -> None:
+        self.fused_optimizer.step_bucket(self.buckets, b)  # [Note: stepping as buckets complete]
 
     # ------------------------------------------------------------------ hooks
     @property

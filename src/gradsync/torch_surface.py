@@ -79,6 +79,22 @@ class TorchDDPSurface:
         hook = builtin_hook(comm_hook_type, self.process_group)
         self.register_comm_hook(None, hook)
 
+    def _register_fused_optim(self, optim: type, *args: Any, optim_params: Any = None, **kwargs: Any) -> None:
+        """Step ``optim(params, *args, **kwargs)`` bucket by bucket as each reduction completes.
+
+        torch's signature; [Note: stepping as buckets complete] in fused_optim.py. Once per wrapper.
+        """
+        from .fused_optim import FusedOptimizer
+
+        if getattr(self, "_fused_optimizer", None) is not None:
+            raise RuntimeError(
+                f"_register_fused_optim should only be called once on a DDP instance (rank {self.reducer.rank}); "
+                "pass optim_params to one registration, and step other parameters with your own optimizer."
+            )
+        params = [p for _, p in self._named_params]
+        self._fused_optimizer = FusedOptimizer(optim, args, kwargs, params, optim_params)
+        self.reducer.fused_optimizer = self._fused_optimizer
+
     def _update_process_group(self, new_process_group: dist.ProcessGroup) -> None:
         """Reduce over ``new_process_group`` from now on (torchft-style membership changes).
 
@@ -205,7 +221,6 @@ class TorchDDPSurface:
     _register_buffer_comm_hook = _internal(
         "_register_buffer_comm_hook", "buffers are broadcast from rank 0 before forward (forward_sync_buffers)."
     )
-    _register_fused_optim = _internal("_register_fused_optim", "call optimizer.step() after backward.")
     _set_sparse_metadata = _internal("_set_sparse_metadata", "sparse gradients are all-reduced as they are.")
     _match_unused_params_allreduce = _internal(
         "_match_unused_params_allreduce", "joined ranks mirror the used map in _match_all_reduce_for_bwd_pass."

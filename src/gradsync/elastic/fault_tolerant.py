@@ -68,6 +68,11 @@ class FaultTolerant:
                 "FaultTolerant needs each rank's local gradient until a step commits, so it cannot use "
                 "gradient_as_bucket_view=True (the all-reduce would overwrite .grad). Wrap the model without it."
             )
+        if ddp.reducer.fused_optimizer is not None:
+            raise ValueError(
+                "FaultTolerant decides each step after backward, so the optimizer cannot step inside it: "
+                "use a plain optimizer instead of _register_fused_optim."
+            )
         if divisor != "survivors" and not (isinstance(divisor, int) and divisor > 0):
             raise ValueError(f"divisor must be 'survivors' or a positive int, got {divisor!r}.")
         if isinstance(divisor, int) and ddp.reducer.comm_hook is not None:
