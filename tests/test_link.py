@@ -66,7 +66,8 @@ def test_namespace_is_shaped_and_removed_even_on_error() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_run_removes_its_namespace_and_its_processes(sig: signal.Signals) -> None:
-    code = "import link; link.run_inside('1gbit', ['sleep', '120'])"
+    # An unusual duration, so that no other ``sleep`` on the machine is taken for the child.
+    code = "import link; link.run_inside('1gbit', ['sleep', '117.25'])"
     runner = subprocess.Popen([sys.executable, "-c", code], cwd=BENCHMARKS)
     prefix = f"gs-bench-{runner.pid}-"
     deadline = time.monotonic() + 20
@@ -77,7 +78,7 @@ def test_an_interrupted_run_removes_its_namespace_and_its_processes(sig: signal.
     runner.send_signal(sig)
     runner.wait(timeout=30)
     assert not any(n.startswith(prefix) for n in _namespaces())
-    sleepers = subprocess.run(["pgrep", "-f", "^sleep 120$"], capture_output=True, text=True).stdout.split()
+    sleepers = subprocess.run(["pgrep", "-f", "^sleep 117.25$"], capture_output=True, text=True).stdout.split()
     assert not sleepers, "the child survived its runner"
 
 
