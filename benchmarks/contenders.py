@@ -58,6 +58,31 @@ def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Cal
     raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS}")
 
 
+def optimizer(name: str, model: nn.Module, lr: float, momentum: float) -> Any:
+    """SGD for contender ``name``'s model: ``zero_grad()`` and ``step()`` as the training loop calls them.
+
+    For ``gradsync_fused`` the same SGD runs inside backward, bucket by bucket, and ``step()`` does nothing.
+    """
+    sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    if name != "gradsync_fused":
+        return sgd
+    model._register_fused_optim(torch.optim.SGD, lr, momentum=momentum)
+    return StepsInBackward(sgd)
+
+
+class StepsInBackward:
+    """The optimizer of a model whose DDP steps it in backward: zero_grad as usual, step() a no-op."""
+
+    def __init__(self, sgd: torch.optim.Optimizer) -> None:
+        self.sgd = sgd
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.sgd.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        pass
+
+
 class OneAllReduce:
     """Average every gradient with one all-reduce after backward: no buckets, no hooks, no overlap.
 

@@ -67,7 +67,7 @@ def child_main(contender: str, workload_name: str, cap: Any) -> None:
     baseline = reset_peak()
     torch.manual_seed(0)
     model, after_backward = contenders.build(contender, workload.build(), cap)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=workload.momentum)
+    optimizer = contenders.optimizer(contender, model, lr=1e-3, momentum=workload.momentum)
     step = train_step(model, optimizer, workload.loss, batches, after_backward)
     for i in range(ITERATIONS):
         step(i)

@@ -84,28 +84,11 @@ def make_batches(workload: Workload) -> list[Any]:
 def make_contender(name: str, workload: Workload, base: torch.nn.Module, batches: list[Any], cap: Cap) -> Contender:
     model, after_backward = contenders.build(name, copy.deepcopy(base), cap)
     # A small learning rate: the weights must stay finite, their values do not matter.
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=workload.momentum)
-    stepper: Any = optimizer
-    if name == "gradsync_fused":  # the same SGD, stepped bucket by bucket inside backward
-        model._register_fused_optim(torch.optim.SGD, 1e-3, momentum=workload.momentum)
-        stepper = StepsInBackward(optimizer)
-    contender = Contender(name, train_step(model, stepper, workload.loss, batches, after_backward))
+    optimizer = contenders.optimizer(name, model, lr=1e-3, momentum=workload.momentum)
+    contender = Contender(name, train_step(model, optimizer, workload.loss, batches, after_backward))
     contender.rest = lambda: optimizer.zero_grad(set_to_none=True)  # free .grad between blocks
     contender.model = model  # type: ignore[attr-defined]
     return contender
-
-
-class StepsInBackward:
-    """The optimizer of a model whose DDP steps it in backward: zero_grad as usual, step() a no-op."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def step(self) -> None:
-        pass
 
 
 def raw_allreduce(nbytes: int) -> Contender:

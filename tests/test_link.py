@@ -95,7 +95,9 @@ def test_every_contender_keeps_identical_replicas_on_a_shaped_link(tmp_path: Pat
     shaper = result.pop("_shaper")
     sent = int(re.search(r"Sent (\d+) bytes", shaper).group(1))
     assert sent > 1_000_000, f"the traffic did not pass the shaper:\n{shaper}"
-    assert set(result) == {"gradsync", "gradsync_best", "torch_ddp", "torch_ddp_view", "naive", "one_allreduce"}
+    assert set(result) == {
+        "gradsync", "gradsync_best", "gradsync_fused", "torch_ddp", "torch_ddp_view", "naive", "one_allreduce"
+    }  # fmt: skip
     assert all(result.values()), result
 
 

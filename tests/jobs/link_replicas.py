@@ -47,7 +47,7 @@ def main() -> None:
     result = {}
     for name in COMMUNICATING:
         model, after = contenders.build(name, copy.deepcopy(base), cap=1.0)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        optimizer = contenders.optimizer(name, model, lr=1e-3, momentum=0.9)
         step = train_step(model, optimizer, workload.loss, batches, after)
         for i in range(3):
             step(i)
