@@ -19,7 +19,7 @@ from gradsync.naive import NaiveDataParallel
 
 from common import TORCH_DDP
 
-Cap = Any  # MiB as a number, or "auto"
+Cap = Any  # MiB as a number, "auto", or (first bucket's MiB, the others' MiB)
 
 DESCRIPTIONS = {
     "gradsync": "gradsync DDP, default arguments (25 MiB buckets, 1 MiB first bucket)",
@@ -40,10 +40,8 @@ def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Cal
     """``(model, after_backward)`` for contender ``name``; ``cap`` is for ``gradsync_best``."""
     if name == "gradsync":
         return GradsyncDDP(module), None
-    if name == "gradsync_fused":  # the suite registers the optimizer (make_contender)
-        return GradsyncDDP(module, gradient_as_bucket_view=True, bucket_cap_mb=cap), None
-    if name == "gradsync_best" or name.startswith("gradsync_view_"):
-        return GradsyncDDP(module, gradient_as_bucket_view=True, bucket_cap_mb=cap), None
+    if name == "gradsync_best" or name == "gradsync_fused" or name.startswith("gradsync_view_"):
+        return GradsyncDDP(module, gradient_as_bucket_view=True, **_caps(cap)), None  # fused: see optimizer()
     if name == "torch_ddp":
         return TORCH_DDP(module), None
     if name == "torch_ddp_view":
@@ -108,7 +106,14 @@ class OneAllReduce:
 
 
 def sweep_name(cap: Cap) -> str:
+    if isinstance(cap, tuple):  # a first bucket's cap and the others' (bucket_cap_mb_list)
+        return f"gradsync_view_{cap[0]:g}+{cap[-1]:g}MiB"
     return f"gradsync_view_{cap}" if cap == "auto" else f"gradsync_view_{cap:g}MiB"
+
+
+def _caps(cap: Cap) -> dict[str, Any]:
+    """DDP keyword arguments for a swept cap."""
+    return {"bucket_cap_mb_list": list(cap)} if isinstance(cap, tuple) else {"bucket_cap_mb": cap}
 
 
 def auto_cap_supported() -> bool:

@@ -174,6 +174,8 @@ def measure_overhead(args: Any) -> overhead.Overhead:
 
 # ---------------------------------------------------------------------- report
 def cap_text(cap: Cap) -> str:
+    if isinstance(cap, tuple):
+        return f"first {cap[0]:g} MiB, then {cap[-1]:g} MiB"
     return "auto" if cap == "auto" else f"{cap:g} MiB"
 
 
@@ -369,7 +371,12 @@ def write_report(results: dict[str, WorkloadResult], memory: Any, over: Any, loa
 
 # ---------------------------------------------------------------------- main
 def parse_cap(text: str) -> Cap:
-    return text if text == "auto" else float(text)
+    """``auto``, MiB (``4``), or a first bucket's cap and the others' (``1+4``: bucket_cap_mb_list)."""
+    if text == "auto":
+        return text
+    if "+" in text:
+        return tuple(float(part) for part in text.split("+"))
+    return float(text)
 
 
 def parse_args() -> argparse.Namespace:
@@ -379,7 +386,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=None, help="override every workload's rounds")
     parser.add_argument("--iters", type=int, default=None, help="override iterations per contender per round")
     parser.add_argument("--sweep-rounds", type=int, default=5)
-    parser.add_argument("--caps", nargs="+", type=parse_cap, default=[1.0, 4.0, 25.0], help="MiB (and/or auto)")
+    caps_help = "MiB, auto, or FIRST+REST MiB"
+    parser.add_argument("--caps", nargs="+", type=parse_cap, default=[1.0, 4.0, 25.0], help=caps_help)
     parser.add_argument("--overhead-iters", type=int, default=50)
     parser.add_argument(
         "--no-wait-for-quiet",
