@@ -6,8 +6,8 @@ steps. At the end it writes ``<name>.json`` (fingerprint, history) and ``<name>.
 
 ``--fault PHASE:STEP`` makes this process fail there: ``forward``, ``backward``, ``reduction``
 (in the comm hook), ``between`` (after a committed step) are SIGKILLs; ``hang`` SIGSTOPs itself
-mid-backward; ``disagree`` fails its last bucket locally (no death); ``heal`` dies as the heal
-source of a joiner.
+mid-backward, ``hang-forward`` before its forward; ``disagree`` fails its last bucket locally (no
+death); ``heal`` dies as the heal source of a joiner.
 """
 
 from __future__ import annotations
@@ -120,6 +120,8 @@ def main() -> None:
         x, y = batch(seed)
         if phase == "forward" and step == at_step:
             die()
+        if phase == "hang-forward" and step == at_step:
+            os.kill(os.getpid(), signal.SIGSTOP)
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         current.update(step=step, seed=seed)
