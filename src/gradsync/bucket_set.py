@@ -37,10 +37,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .buckets import ParamInfo, assign_buckets
 from .grad_bucket import BucketStorage
+from .results import check_result, failure_message, wait_for
 from .stats import IterationTimes, now
 
 
@@ -246,7 +246,7 @@ class BucketSet:
                 result = wait_for(pending)
                 times.bucket_done[b] = times.bucket_done[b] or now()
             except Exception as error:  # noqa: BLE001 - reported with the bucket named
-                errors.append(_failure(b, hook_name, error))
+                errors.append(failure_message(b, hook_name, error))
                 continue
             problem = self._write_result(b, result, as_view, globally_used, unused, hook_name)
             if problem:
@@ -281,7 +281,7 @@ class BucketSet:
                 values.append(waiter(pending))
                 times.bucket_done[b] = times.bucket_done[b] or now()
             except Exception as error:  # noqa: BLE001 - the caller decides what a failure means
-                return values, _failure(b, hook_name, error)
+                return values, failure_message(b, hook_name, error)
         times.reductions_done = max(times.bucket_done, default=0.0) or now()
         return values, None
 
@@ -323,7 +323,7 @@ class BucketSet:
             return None
         storage.refresh_views_if_moved()
         if result is not None and result is not storage.flat:
-            problem = _check_result(b, result, storage.flat, hook_name)
+            problem = check_result(b, result, storage.flat, hook_name)
             if problem:
                 return problem
             storage.flat.copy_(result.view(-1))
@@ -374,33 +374,3 @@ def _copy_in(storage: BucketStorage, grads: list[torch.Tensor], divisor: float) 
     torch._foreach_copy_(storage.views, grads)
     if divisor != 1.0:
         storage.flat.div_(divisor)
-
-
-def _failure(b: int, hook_name: str | None, error: Exception) -> str:
-    what = f"comm hook {hook_name}" if hook_name else "all-reduce"
-    return f"{what} failed on bucket {b}: {error}"
-
-
-def wait_for(pending: Any) -> torch.Tensor | None:
-    """A bucket's result once its collective (or comm hook) completed: None for the plain all-reduce."""
-    if isinstance(pending, dist.Work):
-        pending.wait()  # the default all-reduce: the result is already in the flat bucket
-        return None
-    value = pending.wait()  # a future from a comm hook
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]  # raw collective futures yield a one-element list
-    return value
-
-
-def _check_result(b: int, result: Any, flat: torch.Tensor, hook_name: str | None) -> str | None:
-    who = f"comm hook {hook_name}"
-    if not isinstance(result, torch.Tensor):
-        return f"{who} returned a future of {type(result).__name__} for bucket {b}; it must yield one tensor"
-    if result.numel() != flat.numel():
-        return (
-            f"{who} yielded a tensor of shape {tuple(result.shape)} ({result.numel()} elements) for bucket {b}, "
-            f"whose buffer has shape ({flat.numel()},); the result must have the buffer's shape"
-        )
-    if not (result.is_floating_point() or result.is_complex()):
-        return f"{who} yielded dtype {result.dtype} for bucket {b}; expected a floating dtype such as {flat.dtype}"
-    return None

@@ -260,7 +260,7 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
             if self.reducer.keep_local and self.reducer.failures:
                 return  # fault-tolerant mode: this step failed already ([Note: a step is decided before it is written])
             try:
-                with _preserve_version_counters(self._synced_buffers):
+                with synced.preserve_version_counters(self._synced_buffers):
                     comm.broadcast_coalesced(self._synced_buffers, src, self.process_group)
             except RuntimeError as error:
                 if self.reducer.keep_local:
@@ -395,13 +395,3 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
     def train(self, mode: bool = True) -> DistributedDataParallel:
         nn.Module.train(self, mode)
         return self
-
-
-@contextmanager
-def _preserve_version_counters(tensors: list[torch.Tensor]) -> Iterator[None]:
-    preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
-    if preserve is None or not tensors:
-        yield
-        return
-    with preserve(tuple(tensors)):
-        yield

@@ -16,8 +16,11 @@ import torch
 import torch.distributed as dist
 
 from .bucket_set import BucketSet
+from .debug import Position
 from .errors import add_note, hook_not_future
 from .grad_bucket import GradBucket
+from .labels import label
+from .stats import now
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 
@@ -99,3 +102,56 @@ def start_sparse(
         return dist.all_reduce(grad, group=group, async_op=True).get_future()
     bucket = GradBucket(b, grad, buckets.storages[b], is_last=b == len(buckets.storages) - 1)
     return hook(hook_state, bucket)
+
+
+class LaunchesBuckets:
+    """Mixed into ``Reducer``: starting bucket ``b`` once it is its turn ([Note: launch order])."""
+
+    def _launch(self: Any, b: int) -> None:
+        with label("gradsync::reduce_bucket"):
+            self.times.bucket_launch[b] = now()
+            storage = self.buckets.storages[b]
+            if self.failures:
+                self._results.append(None)  # fault-tolerant mode: this step failed, start nothing more
+                return
+            if self.desync is not None:
+                what = f"all-reduce of bucket {b}"
+                self.desync.check(Position(what, self.synced_forwards, storage.flat.numel(), str(storage.flat.dtype)))
+            if self.skip_unused and self._known_unused and self._known_unused.issuperset(storage.param_indices):
+                self._results.append(None)  # skip_all_reduce_unused_params: no collective, .grad untouched
+            elif storage.sparse:
+                sparse = start_sparse(
+                    self.buckets, b, self._take_divisor, self.process_group, self.comm_hook, self.comm_hook_state
+                )
+                self._results.append(sparse)
+            else:
+                self._launch_dense(b)
+            if self.timeline is not None and self._results[-1] is not None:
+                self._record_completion(b, self._results[-1])
+
+    def _record_completion(self: Any, b: int, pending: Any) -> None:
+        future = pending.get_future() if isinstance(pending, dist.Work) else pending
+        times = self.times
+
+        def done(_: Any) -> None:
+            times.bucket_done[b] = now()
+
+        future.add_done_callback(done)
+
+    def _launch_dense(self: Any, b: int) -> None:
+        divisor = self._take_divisor() if self.comm_hook is None else 1.0
+        pending, problems = start_dense(
+            self.buckets,
+            b,
+            divisor,
+            self._marked_unused,
+            self.names,
+            self.as_view,
+            self.process_group,
+            self.comm_hook,
+            self.comm_hook_state,
+            self.rank,
+            self.iteration,
+        )
+        self._results.append(pending)
+        self._errors.extend(problems)

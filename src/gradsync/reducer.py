@@ -43,10 +43,10 @@ from torch.autograd import Variable
 
 from . import errors, graph, launch, ownership
 from .bucket_set import BucketSet
-from .debug import DesyncDetector, Position
+from .debug import DesyncDetector
 from .fused_optim import FusedOptimizer
 from .labels import label
-from .launch import CommHook
+from .launch import CommHook, LaunchesBuckets
 from .rebuild import BucketRebuild, RebuildsBuckets
 from .reducer_reports import ReducerReports
 from .static_graph import StaticGraphCounts
@@ -64,7 +64,7 @@ class ReducerState(enum.Enum):
     FINALIZED = "finalized"  # averaged gradients of the last synced forward are in .grad
 
 
-class Reducer(TorchReducerSurface, TolerantReduction, ReducerReports, RebuildsBuckets):
+class Reducer(TorchReducerSurface, LaunchesBuckets, TolerantReduction, ReducerReports, RebuildsBuckets):
     """Buckets, readiness tracking and reduction for one wrapped module."""
 
     def __init__(
@@ -296,55 +296,6 @@ class Reducer(TorchReducerSurface, TolerantReduction, ReducerReports, RebuildsBu
             self._next_bucket += 1
 
     # ------------------------------------------------------------------ reduction
-    def _launch(self, b: int) -> None:
-        with label("gradsync::reduce_bucket"):
-            self.times.bucket_launch[b] = now()
-            storage = self.buckets.storages[b]
-            if self.failures:
-                self._results.append(None)  # fault-tolerant mode: this step failed, start nothing more
-                return
-            if self.desync is not None:
-                what = f"all-reduce of bucket {b}"
-                self.desync.check(Position(what, self.synced_forwards, storage.flat.numel(), str(storage.flat.dtype)))
-            if self.skip_unused and self._known_unused and self._known_unused.issuperset(storage.param_indices):
-                self._results.append(None)  # skip_all_reduce_unused_params: no collective, .grad untouched
-            elif storage.sparse:
-                sparse = launch.start_sparse(
-                    self.buckets, b, self._take_divisor, self.process_group, self.comm_hook, self.comm_hook_state
-                )
-                self._results.append(sparse)
-            else:
-                self._launch_dense(b)
-            if self.timeline is not None and self._results[-1] is not None:
-                self._record_completion(b, self._results[-1])
-
-    def _record_completion(self, b: int, pending: Any) -> None:
-        future = pending.get_future() if isinstance(pending, dist.Work) else pending
-        times = self.times
-
-        def done(_: Any) -> None:
-            times.bucket_done[b] = now()
-
-        future.add_done_callback(done)
-
-    def _launch_dense(self, b: int) -> None:
-        divisor = self._take_divisor() if self.comm_hook is None else 1.0
-        pending, problems = launch.start_dense(
-            self.buckets,
-            b,
-            divisor,
-            self._marked_unused,
-            self.names,
-            self.as_view,
-            self.process_group,
-            self.comm_hook,
-            self.comm_hook_state,
-            self.rank,
-            self.iteration,
-        )
-        self._results.append(pending)
-        self._errors.extend(problems)
-
     def _finalize_callback(self) -> None:
         self._callback_queued = False
         if self.state is not ReducerState.REDUCING:

@@ -7,7 +7,8 @@ torch's DDP keeps working.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -50,3 +51,14 @@ def sparse_flags(module: nn.Module, named_params: list[tuple[str, nn.Parameter]]
         id(sub.weight) for sub in module.modules() if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
     }
     return [id(p) in sparse_ids for _, p in named_params]
+
+
+@contextmanager
+def preserve_version_counters(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Overwrite ``tensors`` in place without bumping their autograd version (equal values, e.g. a broadcast)."""
+    preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+    if preserve is None or not tensors:
+        yield
+        return
+    with preserve(tuple(tensors)):
+        yield

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..bucket_set import wait_for
 from ..ddp import DistributedDataParallel
 from ..debug import fingerprint
+from ..results import wait_for
 from . import commit, heal, hook_state, membership
 from .run import ElasticRun, current
 
