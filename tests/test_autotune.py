@@ -56,6 +56,7 @@ def test_default_caps_are_torch_s_unless_communication_overlaps() -> None:
     assert default_caps_from(total_bytes=100 * MIB, cpu_share=0.9) == torch_caps  # loopback: gloo computes
     assert default_caps_from(total_bytes=16 * MIB, cpu_share=0.05) == [2 * MIB]  # waits on a link: 8 buckets
     assert default_caps_from(total_bytes=1000 * MIB, cpu_share=0.05) == [25 * MIB]  # never above torch's cap
-    assert default_caps_from(total_bytes=4 * MIB, cpu_share=0.05) == [1 * MIB]
+    assert default_caps_from(total_bytes=4 * MIB, cpu_share=0.05) == [MIB // 2]
+    assert default_caps_from(total_bytes=MIB, cpu_share=0.05) == [MIN_CAP]  # never below 256 KiB
     # a small model is not probed at all: no collective (none could run here, without a process group)
     assert default_bucket_caps(None, None, ADAPT_MIN_BYTES - 1) == torch_caps

@@ -27,14 +27,16 @@ collective *waits* on the link or *computes*: the process's CPU time during a 4 
 over its wall time (median of a few, the largest over ranks). On plain loopback gloo's threads
 copy the bytes themselves, 0.4-1.0 CPU seconds per second; through a 1 Gbit/s link they wait,
 0.03-0.06. Below ``WAIT_SHARE`` the collective would hide behind backward if it started early, so
-the model is cut into ``LINK_BUCKETS`` buckets (within 1-25 MiB): a cap from the model's size
+the model is cut into ``LINK_BUCKETS`` buckets (within 256 KiB-25 MiB): a cap from the model's size
 alone, the same in every run, unlike "auto"'s latency-based one, which varied 0.25-2.5 MiB from one
 construction to the next through the shaper. On transformer at 1 Gbit/s, 4 MiB buckets gave 0.90x
 torch DDP's step and "auto"'s smaller ones 0.87-0.88x in the same runs, hence eight buckets
-(2 MiB: 0.89x; benchmarks/results/2026-11-30-shaped-link.md). The
+(2 MiB: 0.89x; benchmarks/results/2026-11-30-shaped-link.md). Models from 512 KiB of gradients
+on are probed (first from 4 MiB: cnn_bn's 0.7 MiB, one bucket, stayed at torch's step while
+smaller buckets gave 0.84-0.88x of it at 1 Gbit/s; 2026-12-01 report). The
 overlap probe "auto" uses was too noisy to decide a default (on loopback it said "overlaps" in 1
-of 3 constructions); the CPU share separates the two cases by a factor of ten. Small models skip
-the probe (their one or two buckets cost little either way), so does ``init_sync=False`` (it
+of 3 constructions); the CPU share separates the two cases by a factor of ten. Tiny models skip
+the probe (one bucket of under 512 KiB costs little either way), so does ``init_sync=False`` (it
 promises no collective at construction) and so do GPUs (process CPU time does not see NCCL's
 work). ``bucket_cap_mb_list=[1, 25]`` asks for torch's layout whatever the link.
 """
@@ -55,7 +57,7 @@ LATENCY_SHARE = 0.1
 MIN_OVERLAP = 0.5  # below this share of hidden communication, small buckets cost more than they save
 MIN_BUCKETS = 4
 MIN_CAP = 256 * 1024
-ADAPT_MIN_BYTES = 4 * MIB  # [Note: the default caps]
+ADAPT_MIN_BYTES = MIB // 2  # [Note: the default caps]
 WAIT_SHARE = 0.25  # CPU seconds per wall second of an all-reduce below which it waits on a link
 LINK_BUCKETS = 8  # how many buckets the default cuts a model into when its collectives wait
 PROBE_SMALL = 4 * 1024
@@ -137,7 +139,7 @@ def default_caps_from(total_bytes: int, cpu_share: float) -> list[int]:
     """[Note: the default caps] once measured: torch's unless the collective waits on a link."""
     if cpu_share >= WAIT_SHARE:
         return bucket_caps_bytes(None, None)
-    return [int(max(MIB, min(total_bytes / LINK_BUCKETS, DEFAULT_BUCKET_CAP_MB * MIB)))]
+    return [int(max(MIN_CAP, min(total_bytes / LINK_BUCKETS, DEFAULT_BUCKET_CAP_MB * MIB)))]
 
 
 def _cpu_share(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> float:
