@@ -175,3 +175,15 @@ def all_gather_flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return gathered
+
+
+def assert_replicas_identical(model: nn.Module, step: int) -> None:
+    """Every rank holds the same parameters, bit for bit."""
+    replicas = all_gather_flat(list(model.parameters()))
+    assert all(torch.equal(replicas[0], r) for r in replicas), f"replicas differ after step {step}"
+
+
+def assert_params_close(model: nn.Module, reference: nn.Module) -> None:
+    """``model``'s parameters equal the single-process ``reference``'s to float tolerance."""
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=1e-5, rtol=1e-4), f"{name} differs from single-process training"

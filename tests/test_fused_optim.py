@@ -15,7 +15,16 @@ from gradsync import DistributedDataParallel as DDP
 from gradsync.hooks import allreduce_hook
 
 from harness import run_distributed
-from models import all_gather_flat, global_batch, loss_fn, make_model, rank_world, reference_step, shard
+from models import (
+    assert_params_close,
+    assert_replicas_identical,
+    global_batch,
+    loss_fn,
+    make_model,
+    rank_world,
+    reference_step,
+    shard,
+)
 
 
 def _sgd_momentum_over_rebuilt_buckets(name: str) -> int:
@@ -32,10 +41,8 @@ def _sgd_momentum_over_rebuilt_buckets(name: str) -> int:
         ref_opt.zero_grad()
         reference_step(reference, x, y, world)
         ref_opt.step()
-        replicas = all_gather_flat(list(model.parameters()))
-        assert all(torch.equal(replicas[0], r) for r in replicas), f"replicas differ after step {step}"
-    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.allclose(p, q, atol=1e-5, rtol=1e-4), f"{pname} differs from single-process training"
+        assert_replicas_identical(model, step)
+    assert_params_close(model, reference)
     return len(ddp.reducer.buckets.storages)
 
 
@@ -69,8 +76,7 @@ def _adam_subset_hook_and_accumulation() -> None:
             reference_step(reference, x, y, world)
         own.step()
         ref_opt.step()
-    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.allclose(p, q, atol=1e-5, rtol=1e-4), f"{pname} differs from single-process training"
+    assert_params_close(model, reference)
 
 
 def test_adam_on_a_subset_with_a_comm_hook_and_accumulation_matches_single_process() -> None:

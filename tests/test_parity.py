@@ -14,6 +14,8 @@ from models import (
     MODELS,
     all_gather_flat,
     assert_grads_close,
+    assert_params_close,
+    assert_replicas_identical,
     global_batch,
     grads_of,
     loss_fn,
@@ -69,10 +71,8 @@ def _train_20_steps(name: str, as_view: bool) -> None:
         ref_opt.zero_grad()
         reference_step(reference, x, y, world)
         ref_opt.step()
-        replicas = all_gather_flat(list(model.parameters()))
-        assert all(torch.equal(replicas[0], r) for r in replicas), f"replicas differ after step {step}"
-    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.allclose(p, q, atol=1e-5, rtol=1e-4), f"{pname} differs from single-process training"
+        assert_replicas_identical(model, step)
+    assert_params_close(model, reference)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
