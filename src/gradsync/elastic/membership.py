@@ -6,7 +6,8 @@ which of its members hold the current training state (the others are joiners, to
 It is formed from a list of candidates every one of them knows (the previous generation, plus
 the joiners a commit decision admitted):
 1. every live candidate writes ``present``;
-2. each waits until every candidate is present or has stopped beating (or ``timeout_s`` passed);
+2. each waits until every candidate is present or has stopped beating (or twice ``timeout_s``
+   passed: a live one blocked in a collective is out of it within one);
 3. each then proposes the present candidates with ``compare_set``: the first proposal written
    is the generation, and everybody reads it back;
 4. the members open the generation's process group, on a key prefix of its own in the store.
@@ -68,7 +69,9 @@ def form(
     """Steps 1-3 of [Note: forming a generation]; the caller checks whether it is a member."""
     store.set(keys.present(number, me), "1")
     heartbeat.watch(candidates)
-    deadline = time.monotonic() + timeout_s
+    # A live candidate may be blocked in a collective (a broadcast before forward waits for its full
+    # timeout): it is still beating and is here within one timeout. Twice that is the safety net.
+    deadline = time.monotonic() + 2 * timeout_s
     decided = keys.members(number)
     while not store.check([decided]):
         waiting = [c for c in candidates if not store.check([keys.present(number, c)])]
