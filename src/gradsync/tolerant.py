@@ -18,7 +18,6 @@ from typing import Any, Callable
 
 from . import launch
 from .agreement import agree_on_used
-from .bucket_set import BucketSet
 
 
 class TolerantReduction:
@@ -82,18 +81,8 @@ class TolerantReduction:
 
     def adopt_layout(self: Any, order: list[int], caps: list[int], rebuilt: bool) -> None:
         """Build the buckets another rank has ([Note: a joiner's buckets] in elastic/heal.py)."""
-        old = self.buckets
         self.caps = list(caps)
-        self.buckets = BucketSet(
-            self.params,
-            self.sparse,
-            order,
-            self.caps,
-            reduce_lone_in_place=not self.keep_local,
-            delayed=old.delayed,
-            reduce_dtype=old.reduce_dtype,
-            delay_after=old.delay_after,
-        )
+        self.buckets = self.buckets.rebuilt(order, self.caps, self.as_view, not self.keep_local)
         self._rebuild.pending = not rebuilt and self._rebuild.pending
         self._rebuild.done = rebuilt
         self._reset_iteration()

@@ -122,10 +122,8 @@ class FaultTolerant:
         Buffers are left out: BatchNorm statistics differ after each rank's own forward, as with
         DDP, until the next forward broadcasts them (after a heal they are compared too).
         """
-        mine = heal.fingerprint(self.ddp.module, self.optimizer, buffers=False)
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        return len(set(every)) == 1
+        every = self._fingerprints(buffers=False)
+        return all(torch.equal(theirs, every[0]) for theirs in every)
 
     def close(self) -> None:
         """Leave the run on purpose, after the last step (peers do not take it for dead)."""
@@ -274,11 +272,7 @@ class FaultTolerant:
 
     def _check_identical(self, generation: membership.Generation) -> None:
         """The divergence check's fingerprint over everything a heal makes equal; a difference is a bug."""
-        tensors = [t for t in self.ddp.module.state_dict().values()]
-        tensors += [t for s in self.optimizer.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t)]
-        mine = fingerprint(tensors)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
+        every = self._fingerprints(buffers=True)
         differ = [rank for rank, theirs in enumerate(every) if not torch.equal(theirs, every[generation.source])]
         if differ:
             raise HealMismatch(
@@ -286,18 +280,26 @@ class FaultTolerant:
                 "still differ from it."
             )
 
+    def _fingerprints(self, buffers: bool) -> list[torch.Tensor]:
+        """Every member's divergence-check fingerprint (debug.py) of its parameters (and buffers) and
+        optimizer state, by rank."""
+        module = self.ddp.module
+        tensors = list(module.state_dict().values()) if buffers else list(module.parameters())
+        tensors += [t for s in self.optimizer.state_dict()["state"].values() for t in s.values() if torch.is_tensor(t)]
+        mine = fingerprint(tensors)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return every
+
     def _rewire(self, layout: dict[str, Any]) -> None:
         """A fresh reducer over the current default group, with ``layout``'s buckets, keeping local gradients."""
         ddp = self.ddp
-        hook, state = ddp.reducer.comm_hook, ddp.reducer.comm_hook_state
-        ddp.process_group = dist.group.WORLD
         ddp._reducer_config["keep_local_grads"] = True
         ddp._reducer_config["caps"] = list(layout["caps"])
         membership.bury(ddp.reducer)  # with its buckets and the work handles of its last steps
-        ddp.reducer = ddp._make_reducer()
+        ddp._update_process_group(dist.group.WORLD)  # a fresh reducer, the comm hook kept
+        ddp.reducer.comm_hook_state = hook_state.rebind(ddp.reducer.comm_hook_state, dist.group.WORLD)
         ddp.reducer.adopt_layout(layout["order"], layout["caps"], layout["rebuilt"])
-        if hook is not None:
-            ddp.reducer.register_comm_hook(hook_state.rebind(state, dist.group.WORLD), hook)
         ddp.reducer.waiter = self._wait_watching
         if isinstance(self.divisor, int):
             ddp.reducer.fixed_divisor = float(self.divisor)

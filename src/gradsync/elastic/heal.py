@@ -17,7 +17,6 @@ the survivors included, loads what arrived, so afterwards all hold the source's 
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, NamedTuple
 
 import torch
@@ -88,14 +87,3 @@ def load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[
             own[name].copy_(value)  # in place: parameters stay the objects the buckets and optimizer hold
     if state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
-
-
-def fingerprint(module: torch.nn.Module, optimizer: torch.optim.Optimizer, buffers: bool = True) -> str:
-    """A digest of every parameter (and buffer) and optimizer-state tensor: equal digests, equal bits."""
-    digest = hashlib.sha256()
-    tensors: list[torch.Tensor] = []
-    model = module.state_dict() if buffers else dict(module.named_parameters())
-    _strip({"model": model, "optimizer": optimizer.state_dict()["state"]}, tensors)
-    for tensor in tensors:
-        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
