@@ -5,10 +5,14 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
+from torch import nn
 
+import gradsync.ddp as ddp_module
 from gradsync import DistributedDataParallel as DDP
 from gradsync.autotune import ADAPT_MIN_BYTES, MIN_CAP, choose_cap, default_bucket_caps, default_caps_from
 from gradsync.buckets import MIB
+from gradsync.hooks import AllReduceState, PowerSGDState, allreduce_hook, powersgd_hook
 
 from harness import run_distributed
 from models import assert_grads_close, global_batch, grads_of, loss_fn, make_model, rank_world, reference_step, shard
@@ -60,3 +64,31 @@ def test_default_caps_are_torch_s_unless_communication_overlaps() -> None:
     assert default_caps_from(total_bytes=MIB, cpu_share=0.05) == [MIN_CAP]  # never below 256 KiB
     # a small model is not probed at all: no collective (none could run here, without a process group)
     assert default_bucket_caps(None, None, ADAPT_MIN_BYTES - 1) == torch_caps
+
+
+def _buckets_after_rebuild(hook: str, user_cap_mb: float | None) -> int:
+    """Buckets after iteration 1's rebuild, with the default's caps as a slow link makes them."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 4))
+    original = ddp_module.default_bucket_caps
+    ddp_module.default_bucket_caps = lambda group, device, total: [MIN_CAP]  # the verdict of a 1 Gbit/s link
+    try:
+        ddp = DDP(model) if user_cap_mb is None else DDP(model, bucket_cap_mb=user_cap_mb)
+    finally:
+        ddp_module.default_bucket_caps = original
+    if hook == "powersgd":
+        ddp.register_comm_hook(PowerSGDState(None, start_iter=2), powersgd_hook)
+    elif hook == "allreduce":
+        ddp.register_comm_hook(AllReduceState(None), allreduce_hook)
+    for step in range(3):
+        x, y = global_batch("mlp", world, step)
+        loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+    return len(ddp.reducer.buckets.storages)
+
+
+def test_a_compressing_hook_keeps_torch_s_caps_under_the_link_default() -> None:
+    """[Note: caps under a compressing hook]: PowerSGD sends little, small buckets only add latency."""
+    assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None) == [1, 1]  # 540 KiB: one 1 MiB bucket
+    assert min(run_distributed(_buckets_after_rebuild, 2, "allreduce", None)) >= 3  # the link's 256 KiB caps
+    assert min(run_distributed(_buckets_after_rebuild, 2, "powersgd", 0.25)) >= 3  # caps the user chose stay

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel as DDP
 from gradsync.grad_bucket import BucketStorage, GradBucket
@@ -125,10 +126,10 @@ class Buckets:
     def __init__(self, shapes: list[tuple[int, ...]] = SHAPES) -> None:
         self.params = [torch.zeros(s) for s in shapes]
 
-    def __call__(self, flat: torch.Tensor) -> GradBucket:
+    def __call__(self, flat: torch.Tensor, index: int = 0, is_last: bool = True) -> GradBucket:
         storage = BucketStorage(list(range(len(self.params))), self.params, False)
         storage.flat.copy_(flat)
-        return GradBucket(0, storage.flat, storage, is_last=True)
+        return GradBucket(index, storage.flat, storage, is_last=is_last)
 
 
 def _run(hook: Callable[..., Any], state: Any, bucket: GradBucket) -> torch.Tensor:
@@ -234,6 +235,102 @@ def _assert_rank_r_projection(approx: torch.Tensor, target: torch.Tensor, r: int
 
 def test_powersgd_matches_hand_reference() -> None:
     run_distributed(_check_powersgd, W)
+
+
+def _assert_powersgd_of_mean(result: torch.Tensor, step: int) -> None:
+    """Vectors exactly the mean; each matrix a rank-one projection of the mean."""
+    mean, offset = _mean(step), 0
+    for shape in SHAPES:
+        n = math.prod(shape)
+        got, want = result[offset : offset + n], mean[offset : offset + n]
+        if len(shape) == 1:
+            assert torch.equal(got, want)
+        else:
+            _assert_rank_r_projection(got.view(shape[0], -1), want.view(shape[0], -1), 1)
+        offset += n
+
+
+def _check_powersgd_rounds_across_buckets() -> None:
+    """[Note: P in flight]: a bucket's Q step waits for the next bucket's call, or the pass's end."""
+    rank = dist.get_rank()
+    makers = [Buckets() for _ in range(3)]
+    state = PowerSGDState(None, start_iter=0, use_error_feedback=False, warm_start=False)
+    futures = []
+    for b, make in enumerate(makers):
+        futures.append(powersgd_hook(state, make(_grad(10 + b, rank), index=b, is_last=b == 2)))
+        if b < 2:
+            assert not futures[b].done(), "Q of this bucket cannot have been launched before the next call"
+    for b, future in enumerate(futures):
+        _assert_powersgd_of_mean(future.wait(), 10 + b)
+    assert state.iter == 1
+    # The pass ends without its last bucket (skipped as unused): the reducer's finish_launches.
+    future = powersgd_hook(state, makers[0](_grad(20, rank), index=0, is_last=False))
+    assert not future.done()
+    state.finish_launches()
+    _assert_powersgd_of_mean(future.wait(), 20)
+    # A pass that ended early on this rank leaves a round behind; the next pass fails it, not finishes it.
+    stale = powersgd_hook(state, makers[1](_grad(30, rank), index=1, is_last=False))
+    fresh = powersgd_hook(state, makers[0](_grad(31, rank), index=0, is_last=True))
+    with pytest.raises(RuntimeError, match=f"round of bucket 1 abandoned on rank {rank}"):
+        stale.wait()
+    _assert_powersgd_of_mean(fresh.wait(), 31)
+
+
+def test_powersgd_finishes_each_round_at_the_next_bucket() -> None:
+    run_distributed(_check_powersgd_rounds_across_buckets, W)
+
+
+class _FirstLayerUnused(nn.Module):
+    """The first layer (the last bucket backward fills) never takes part in forward.
+
+    No biases: every bucket holds a matrix, so the last bucket launched leaves a round waiting.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped = nn.Linear(16, 16, bias=False)
+        self.a = nn.Linear(16, 16, bias=False)
+        self.head = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.a(x)))
+
+
+def _powersgd_with_the_last_bucket_skipped() -> dict[str, dict[str, Any]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    grads: dict[str, dict[str, Any]] = {}
+    for name in ("gradsync", "torch"):
+        torch.manual_seed(0)
+        model = _FirstLayerUnused()
+        if name == "gradsync":
+            ddp = DDP(model, find_unused_parameters=True, skip_all_reduce_unused_params=True, bucket_cap_mb=0.0001)
+            lossless = PowerSGDState(
+                None,
+                matrix_approximation_rank=64,
+                start_iter=0,
+                min_compression_rate=0,
+                use_error_feedback=False,
+                warm_start=False,
+            )
+            ddp.register_comm_hook(lossless, powersgd_hook)
+        else:
+            ddp = TorchDDP(model, find_unused_parameters=True)
+        for step in range(3):
+            model.zero_grad(set_to_none=True)
+            x, y = global_batch("mlp", world, step)
+            loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+        grads[name] = grads_of(model)
+    return grads
+
+
+def test_powersgd_with_skipped_last_buckets_matches_torch_ddp() -> None:
+    """Buckets of one parameter each, the last ones skipped as unused: no round is left waiting."""
+    for grads in run_distributed(_powersgd_with_the_last_bucket_skipped, W):
+        ours, theirs = grads["gradsync"], grads["torch"]
+        assert ours["skipped.weight"] is None and theirs["skipped.weight"] is None
+        for name, grad in theirs.items():
+            if grad is not None:
+                assert torch.allclose(ours[name], grad, atol=1e-5), name
 
 
 def _check_error_feedback_conserves_the_gradient(name: str) -> None:

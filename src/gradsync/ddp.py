@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
 from . import comm, errors, liveness, options, synced, watch
-from .autotune import auto_bucket_caps, default_bucket_caps
+from .autotune import auto_bucket_caps, default_bucket_caps, prefers_few_buckets, torch_default_caps
 from .debug import DesyncDetector, DivergenceCheck, Position
 from .device import move_to_device
 from .grad_bucket import check_comm_hook
@@ -82,7 +82,7 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
         self.device = options.resolve_device(device_ids, output_device, named_params)
         self.device_ids = None if self.device is None else [self.device.index]
         self.output_device = None if self.device is None else (output_device or self.device)
-        self.dim = dim
+        self.dim, self._caps_cut_for_link = dim, False  # the latter: the default's caps are for a slow link
         caps = options.resolve_caps(bucket_cap_mb, bucket_cap_mb_list)
         total = sum(p.numel() * p.element_size() for _, p in named_params)
         if caps is None:  # "auto": sized from this group's measured all-reduce cost
@@ -112,6 +112,7 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
             self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
             if bucket_cap_mb is None and bucket_cap_mb_list is None:  # after the check: every rank agrees on total
                 caps = default_bucket_caps(self.process_group, named_params[0][1].device, total)
+                self._caps_cut_for_link = caps != torch_default_caps()
         sparse = synced.sparse_flags(module, named_params)
         delayed, delay_after = options.resolve_delayed(
             named_params, sparse, delay_all_reduce_named_params, param_to_hook_all_reduce
@@ -316,6 +317,8 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
             self._logged_error = str(error)  # torch's logging data reports the last error
             raise
         self.reducer.register_comm_hook(state, hook)
+        if self._caps_cut_for_link and prefers_few_buckets(state):  # [Note: caps under a compressing hook]
+            self.reducer.caps = torch_default_caps()  # the rebuild after iteration 0 uses them
 
     def _check_can_register(self, hook: Callable[..., Any]) -> None:
         check_comm_hook(hook)

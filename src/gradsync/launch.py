@@ -104,6 +104,18 @@ def start_sparse(
     return hook(hook_state, bucket)
 
 
+def finish_hook_launches(hook_state: Any) -> None:
+    """Tell a comm hook that no bucket follows in this pass (every one was launched or skipped).
+
+    A hook may leave part of a bucket's work for its next call (gradsync's PowerSGD does:
+    [Note: P in flight] in hooks/low_rank.py); its state's ``finish_launches`` does that work
+    now. Other states, torch's included, have no such method and nothing happens.
+    """
+    finish = getattr(hook_state, "finish_launches", None)
+    if callable(finish):
+        finish()
+
+
 class LaunchesBuckets:
     """Mixed into ``Reducer``: starting bucket ``b`` once it is its turn ([Note: launch order])."""
 

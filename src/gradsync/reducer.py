@@ -46,7 +46,7 @@ from .bucket_set import BucketSet
 from .debug import DesyncDetector
 from .fused_optim import FusedOptimizer
 from .labels import label
-from .launch import CommHook, LaunchesBuckets
+from .launch import CommHook, LaunchesBuckets, finish_hook_launches
 from .rebuild import BucketRebuild, RebuildsBuckets
 from .reducer_reports import ReducerReports
 from .static_graph import StaticGraphCounts
@@ -327,6 +327,8 @@ class Reducer(TorchReducerSurface, LaunchesBuckets, TolerantReduction, ReducerRe
         for index in missing:
             self._marked_unused.add(index)
             self._mark_ready(index)
+        if self.comm_hook is not None:
+            finish_hook_launches(self.comm_hook_state)
         globally_used = self._never_used  # static graph: parameters no rank used keep .grad None
         if agree_used:
             globally_used = self._agree_on_used()

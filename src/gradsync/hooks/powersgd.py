@@ -18,15 +18,24 @@ bucket into one square-ish matrix (cheaper to run, cruder approximation).
 Every rank must issue its collectives in the same order, or a process group pairs one
 rank's ``P`` with another rank's ``Q``. So every collective here is issued by the hook
 itself, on the thread that launches buckets in index order, never from a future's
-callback (which runs whenever that collective happens to finish). The price: the hook
-waits for the (small) ``P`` all-reduce before it can compute ``Q``; the ``Q`` and the
-uncompressed all-reduces still overlap with the rest of the backward pass.
+callback (which runs whenever that collective happens to finish: torch's powerSGD_hook
+does that and deadlocks on gloo with more than one bucket). A bucket's ``Q`` step, which
+needs the summed ``P``, therefore runs at the hook's next call rather than in a callback
+([Note: P in flight] in low_rank.py), so backward is not held up waiting for ``P``.
 
 [Note: the scale of M]
 The bucket is divided by the world size before anything else, so all-reducing (summing)
 ``P`` and ``Q`` yields the average directly, and the error memory is kept at that scale.
 Because ``P`` is the same on every rank, summing the local ``Q`` is the same as summing
 the local approximations: the ranks' errors add up to exactly what was not sent.
+
+[Note: the error memory is the working matrix]
+With error feedback on, ``M = error + bucket / W`` is formed in the error memory itself
+(one fused pass), the power iteration runs on it, and ``M - P Q^T`` is subtracted there in
+place: what is left is next iteration's error, with no copy. The averaged result is then
+written into the bucket's buffer. At low rank the hook is memory-bound (each pass reads
+the whole bucket for a handful of flops per element), so it makes as few passes as it can:
+a division and a copy of the bucket fewer than the textbook order of operations.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ import torch.distributed as dist
 
 from ..grad_bucket import GradBucket
 from .allreduce import allreduce_future
+from .low_rank import LowRankRound
+from .low_rank import orthonormalise as _orthonormalise  # noqa: F401 - tests reach it here
 from .memory import BucketMemory
 from .wire import WireStats
 
@@ -51,7 +62,13 @@ class PowerSGDState:
     ``errors`` holds each bucket's error-feedback residual, ``q_memory`` its warm-start
     ``Q``, both keyed by ``bucket.index()``; ``iter`` counts finished backward passes;
     ``wire`` records the bytes this rank sent per iteration.
+
+    ``prefers_few_buckets``: a few hundredths of the gradient go on the wire, so small buckets
+    (which gradsync's default picks on a slow link, for uncompressed all-reduces to start
+    early) only add per-bucket latency; the default then keeps torch's caps for this hook.
     """
+
+    prefers_few_buckets = True
 
     __slots__ = (
         "process_group",
@@ -68,6 +85,7 @@ class PowerSGDState:
         "q_memory",
         "generator",
         "wire",
+        "_in_flight",
     )
 
     def __init__(
@@ -97,9 +115,38 @@ class PowerSGDState:
         # which P = M Q needs for the all-reduce of P to mean anything.
         self.generator = torch.Generator().manual_seed(seed)
         self.wire = WireStats(self.world_size)
+        self._in_flight: LowRankRound | None = None  # see [Note: P in flight] in low_rank.py
 
     def compressing(self) -> bool:
         return self.iter >= self.start_iter
+
+    def finish_launches(self) -> None:
+        """Finish the round left waiting for its ``P`` ([Note: P in flight]); nothing if none.
+
+        gradsync's reducer calls it once every bucket of a pass was launched or skipped.
+        """
+        waiting, self._in_flight = self._in_flight, None
+        if waiting is not None:
+            waiting.finish()
+
+    def _begin_round(self, round_: LowRankRound, bucket: GradBucket) -> None:
+        self._in_flight = round_
+        if bucket.is_last():
+            self.finish_launches()
+
+    def _settle_before(self, bucket: GradBucket) -> None:
+        """Before bucket ``b``'s collectives: finish the earlier bucket's round of this pass."""
+        waiting = self._in_flight
+        if waiting is None:
+            return
+        if waiting.index < bucket.index():
+            self.finish_launches()
+        else:  # a new pass began: the one that left it ended early on this rank
+            self._in_flight = None
+            waiting.fail(
+                f"gradsync: PowerSGD round of bucket {waiting.index} abandoned on rank {self.rank}: the backward "
+                "pass that launched it ended before its next bucket, and a new pass began."
+            )
 
     def end_bucket(self, bucket: GradBucket) -> None:
         if not bucket.is_last():
@@ -127,76 +174,7 @@ def _check_args(rank: int, start_iter: int, min_rate: float, error_feedback: boo
         raise ValueError(f"min_compression_rate must be >= 0, got {min_rate!r}.")
 
 
-# ---------------------------------------------------------------------- the low-rank round
-def _orthonormalise(p: torch.Tensor) -> None:
-    """Replace the columns of ``p`` by an orthonormal basis of their span, in place.
-
-    QR rather than Gram-Schmidt: it needs no epsilon for a zero column (a vanished
-    gradient), and it runs in fp32 because LAPACK has no half-precision QR.
-    """
-    work = p if p.dtype in (torch.float32, torch.float64) else p.float()
-    q, _ = torch.linalg.qr(work, mode="reduced")
-    p.copy_(q)
-
-
-def _views(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for rows, cols in shapes:
-        out.append(flat[offset : offset + rows * cols].view(rows, cols))
-        offset += rows * cols
-    return out
-
-
-def _initial_q(state: PowerSGDState, bucket: GradBucket, numel: int, like: torch.Tensor) -> torch.Tensor:
-    if state.warm_start:
-        q = state.q_memory.lookup(bucket)
-        if q is not None and q.numel() == numel:
-            return q
-    q = torch.randn(numel, generator=state.generator).to(device=like.device, dtype=like.dtype)
-    if state.warm_start:
-        state.q_memory.store(bucket, q)
-    return q
-
-
-def _low_rank_round(
-    state: PowerSGDState, bucket: GradBucket, matrices: list[torch.Tensor], ranks: list[int]
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.futures.Future]:
-    """One power-iteration step on every matrix; ``Q``'s all-reduce is left in flight.
-
-    Returns the orthonormal ``P``s, the ``Q`` views being summed and that sum's future.
-    With error feedback on, each matrix is overwritten by its local residual.
-    """
-    like = matrices[0]
-    p_shapes = [(m.shape[0], r) for m, r in zip(matrices, ranks)]
-    q_shapes = [(m.shape[1], r) for m, r in zip(matrices, ranks)]
-    p_flat = like.new_empty(sum(a * b for a, b in p_shapes))
-    q_flat = _initial_q(state, bucket, sum(a * b for a, b in q_shapes), like)
-    ps, qs = _views(p_flat, p_shapes), _views(q_flat, q_shapes)
-    for m, p, q in zip(matrices, ps, qs):
-        torch.matmul(m, q, out=p)
-    state.wire.add_all_reduce(p_flat)
-    dist.all_reduce(p_flat, group=state.process_group)  # waited for: see [Note: collective order]
-    for p in ps:
-        _orthonormalise(p)
-    for m, p, q in zip(matrices, ps, qs):
-        # Q = M^T P, computed as (P^T M)^T: reading M row-major is ~10x faster on CPU than
-        # through the transposed view. Overwrites the Q the P came from (warm start keeps it).
-        q.copy_(torch.mm(p.t(), m).t())
-        if state.use_error_feedback:
-            m.addmm_(p, q.t(), alpha=-1)  # M - P Q^T in place, without a temporary
-    state.wire.add_all_reduce(q_flat)
-    fut = dist.all_reduce(q_flat, group=state.process_group, async_op=True).get_future()
-    return ps, qs, fut
-
-
-def _remember_error(state: PowerSGDState, bucket: GradBucket, residual: torch.Tensor) -> None:
-    memory = state.errors.lookup(bucket)
-    if memory is not None and memory.shape == residual.shape:
-        memory.copy_(residual)
-    else:
-        state.errors.store(bucket, residual.clone())
-
-
+# ---------------------------------------------------------------------- error memory
 def _add_error(state: PowerSGDState, bucket: GradBucket, target: torch.Tensor) -> None:
     if state.use_error_feedback:
         error = state.errors.lookup(bucket)
@@ -205,6 +183,7 @@ def _add_error(state: PowerSGDState, bucket: GradBucket, target: torch.Tensor) -
 
 
 def _plain(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state._settle_before(bucket)
     fut = allreduce_future(bucket.buffer(), state.process_group, state.world_size, state.wire)
     state.end_bucket(bucket)
     return fut
@@ -268,43 +247,61 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
 
     Bytes on the wire per rank: ``2 (W - 1) / W * (sum of r (n + m) + uncompressed)``
     elements instead of ``2 (W - 1) / W * bucket numel``; a 1024 x 1024 layer at r=1 sends
-    512 times less. The hook waits for ``P``'s all-reduce before returning (see
-    [Note: collective order]). Sparse buckets are all-reduced unchanged.
+    512 times less. The uncompressed elements travel in ``P``'s all-reduce, and each bucket's
+    ``Q`` step runs at the next bucket's call ([Note: P in flight] in low_rank.py). Sparse
+    buckets are all-reduced unchanged.
     """
     buffer = bucket.buffer()
     if buffer.is_sparse or not state.compressing():
         return _plain(state, bucket)
-    buffer.div_(state.world_size)  # see [Note: the scale of M]
-    _add_error(state, bucket, buffer)
+    state._settle_before(bucket)  # the earlier bucket's Q goes first: [Note: P in flight]
+    work = _working_matrix(state, bucket, buffer)
     compressed, plain = _plan(state, bucket)
-    futures = []
-    if plain:
-        flat = torch.cat([buffer[o : o + n] for o, n in plain])
+    flat = torch.cat([work[o : o + n] for o, n in plain]) if plain else None
+    if flat is not None and state.use_error_feedback:
         for o, n in plain:
-            buffer[o : o + n].zero_()  # sent exactly: nothing left over for error feedback
-        futures.append(allreduce_future(flat, state.process_group, state.world_size, state.wire, divide=False))
-    matrices = [buffer[o : o + rows * cols].view(rows, cols) for o, rows, cols, _ in compressed]
-    ps: list[torch.Tensor] = []
-    qs: list[torch.Tensor] = []
-    if compressed:
-        ps, qs, q_fut = _low_rank_round(state, bucket, matrices, [r for *_, r in compressed])
-        futures.append(q_fut)
-    if state.use_error_feedback:
-        _remember_error(state, bucket, buffer)
+            work[o : o + n].zero_()  # sent exactly: nothing left over for error feedback
+    if not compressed:
+        fut = allreduce_future(flat, state.process_group, state.world_size, state.wire, divide=False)
+        state.end_bucket(bucket)
+        return fut.then(lambda f: _write_plain(buffer, plain, f.value()))
+    outputs = [buffer[o : o + rows * cols].view(rows, cols) for o, rows, cols, _ in compressed]
+
+    def write(ps: list[torch.Tensor], qs: list[torch.Tensor], averaged: torch.Tensor | None) -> torch.Tensor:
+        for out, p, q in zip(outputs, ps, qs):
+            torch.matmul(p, q.t(), out=out)
+        return buffer if averaged is None else _write_plain(buffer, plain, averaged)
+
+    matrices = [work[o : o + rows * cols].view(rows, cols) for o, rows, cols, _ in compressed]
+    round_ = LowRankRound(state, bucket, matrices, [r for *_, r in compressed], flat, write)
+    state._begin_round(round_, bucket)  # the last bucket's round finishes here, inside its iteration
     state.end_bucket(bucket)
+    return round_.result
 
-    def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        results = [f.value() for f in fut.value()]  # re-raises a failed collective
-        for m, p, q in zip(matrices, ps, qs):
-            torch.matmul(p, q.t(), out=m)
-        if plain:
-            averaged, offset = results[0], 0
-            for o, n in plain:
-                buffer[o : o + n].copy_(averaged[offset : offset + n])
-                offset += n
-        return buffer
 
-    return torch.futures.collect_all(futures).then(decompress)
+def _write_plain(buffer: torch.Tensor, plain: list[tuple[int, int]], averaged: torch.Tensor) -> torch.Tensor:
+    """Put the uncompressed elements' average back at their places in the bucket."""
+    offset = 0
+    for o, n in plain:
+        buffer[o : o + n].copy_(averaged[offset : offset + n])
+        offset += n
+    return buffer
+
+
+def _working_matrix(state: PowerSGDState, bucket: GradBucket, buffer: torch.Tensor) -> torch.Tensor:
+    """``error + buffer / W``, in the error memory when error feedback is on, else in ``buffer``.
+
+    See [Note: the scale of M] and [Note: the error memory is the working matrix].
+    """
+    if not state.use_error_feedback:
+        return buffer.div_(state.world_size)
+    error = state.errors.lookup(bucket)
+    if error is None or error.shape != buffer.shape:
+        error = buffer / state.world_size
+        state.errors.store(bucket, error)
+    else:
+        error.add_(buffer, alpha=1.0 / state.world_size)
+    return error
 
 
 # ---------------------------------------------------------------------- batched hook
@@ -338,19 +335,21 @@ def batched_powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
     rank = min(state.matrix_approximation_rank, rows, cols)
     if rows * cols < state.min_compression_rate * rank * (rows + cols):
         return _plain(state, bucket)
+    state._settle_before(bucket)
     padded = buffer.new_zeros(rows * cols)
     padded[:n].copy_(buffer).div_(state.world_size)  # see [Note: the scale of M]
     _add_error(state, bucket, padded[:n])
     matrix = padded.view(rows, cols)
-    ps, qs, fut = _low_rank_round(state, bucket, [matrix], [rank])
-    if state.use_error_feedback:
-        _remember_error(state, bucket, padded[:n])  # the padding's residual means nothing
-    state.end_bucket(bucket)
 
-    def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()  # re-raises a failed all-reduce
-        torch.matmul(ps[0], qs[0].t(), out=matrix)
-        buffer.copy_(padded[:n])
+    def write(ps: list[torch.Tensor], qs: list[torch.Tensor], _: torch.Tensor | None) -> torch.Tensor:
+        buffer.copy_(torch.mm(ps[0], qs[0].t()).view(-1)[:n])
         return buffer
 
-    return fut.then(decompress)
+    round_ = LowRankRound(state, bucket, [matrix], [rank], None, write)
+    if state.use_error_feedback:
+        # The memory is a view of the working matrix, which holds the residual once the round
+        # has finished (no copy). The padding's residual means nothing and is never read.
+        state.errors.store(bucket, padded[:n])
+    state._begin_round(round_, bucket)  # the last bucket's round finishes here, inside its iteration
+    state.end_bucket(bucket)
+    return round_.result

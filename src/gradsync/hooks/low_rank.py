@@ -1,0 +1,126 @@
+"""PowerSGD's power-iteration round, split in two around the ``P`` all-reduce.
+
+[Note: P in flight]
+A round is ``P = M Q; all-reduce P; orthonormalise P; Q = M^T P; all-reduce Q``. Its second
+half needs the summed ``P``, so a hook that ran the whole round at once would wait for ``P``
+in the middle of backward: on a slow link the wait is the other rank's lag plus the link's
+latency, paid once per bucket. Instead ``LowRankRound.start`` computes the local ``P`` and
+launches its all-reduce, and ``finish`` (the second half) runs at the hook's *next* call,
+when backward has produced the next bucket and ``P`` has usually arrived; the last bucket of
+a pass finishes at once. Every collective is still issued by the hook itself, on the thread
+that launches buckets in index order (see [Note: collective order] in powersgd.py), so
+every rank issues ``P0, Q0 P1, Q1 P2, ...`` in the same order.
+
+A round left waiting when no further bucket comes (the last buckets skipped as unused, or
+no launches after a failed collective) is finished by ``finish_launches``, which gradsync's
+reducer calls once every bucket of a pass was launched or skipped; a round still waiting when
+a new pass starts (this rank's backward raised) is failed, not finished, since the other
+ranks cannot be issuing its ``Q``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..grad_bucket import GradBucket
+
+
+def orthonormalise(p: torch.Tensor) -> None:
+    """Replace the columns of ``p`` by an orthonormal basis of their span, in place.
+
+    QR rather than Gram-Schmidt: it needs no epsilon for a zero column (a vanished
+    gradient), and it runs in fp32 because LAPACK has no half-precision QR.
+    """
+    work = p if p.dtype in (torch.float32, torch.float64) else p.float()
+    q, _ = torch.linalg.qr(work, mode="reduced")
+    p.copy_(q)
+
+
+def views(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for rows, cols in shapes:
+        out.append(flat[offset : offset + rows * cols].view(rows, cols))
+        offset += rows * cols
+    return out
+
+
+def initial_q(state: Any, bucket: GradBucket, numel: int, like: torch.Tensor) -> torch.Tensor:
+    if state.warm_start:
+        q = state.q_memory.lookup(bucket)
+        if q is not None and q.numel() == numel:
+            return q
+    q = torch.randn(numel, generator=state.generator).to(device=like.device, dtype=like.dtype)
+    if state.warm_start:
+        state.q_memory.store(bucket, q)
+    return q
+
+
+class LowRankRound:
+    """One bucket's round: ``start`` at construction, ``finish`` later ([Note: P in flight]).
+
+    ``matrices`` are overwritten by their local residual when error feedback is on.
+    ``passenger``: elements sent uncompressed ride in ``P``'s all-reduce rather than in a
+    collective of their own (one latency less per bucket on a slow link). ``write`` turns
+    ``(ps, qs, summed passenger)`` into the bucket's result once ``Q`` is summed; ``result``
+    is the future the hook returned for the bucket.
+    """
+
+    def __init__(
+        self,
+        state: Any,
+        bucket: GradBucket,
+        matrices: list[torch.Tensor],
+        ranks: list[int],
+        passenger: torch.Tensor | None,
+        write: Callable[[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None], torch.Tensor],
+    ) -> None:
+        self.state, self.index, self.matrices, self.write = state, bucket.index(), matrices, write
+        self.result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        like = matrices[0]
+        p_shapes = [(m.shape[0], r) for m, r in zip(matrices, ranks)]
+        q_shapes = [(m.shape[1], r) for m, r in zip(matrices, ranks)]
+        p_numel = sum(a * b for a, b in p_shapes)
+        self.p_flat = like.new_empty(p_numel + (0 if passenger is None else passenger.numel()))
+        self.carried = None if passenger is None else self.p_flat[p_numel:]
+        if self.carried is not None:
+            self.carried.copy_(passenger)
+        self.q_flat = initial_q(state, bucket, sum(a * b for a, b in q_shapes), like)
+        self.ps, self.qs = views(self.p_flat, p_shapes), views(self.q_flat, q_shapes)
+        for m, p, q in zip(matrices, self.ps, self.qs):
+            torch.matmul(m, q, out=p)
+        state.wire.add_all_reduce(self.p_flat)
+        self.p_work = dist.all_reduce(self.p_flat, group=state.process_group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for ``P``, compute and launch ``Q``; the result future completes when ``Q`` is summed."""
+        state = self.state
+        try:
+            self.p_work.wait()
+            for p in self.ps:
+                orthonormalise(p)
+            for m, p, q in zip(self.matrices, self.ps, self.qs):
+                # Q = M^T P, computed as (P^T M)^T: reading M row-major is ~10x faster on CPU than
+                # through the transposed view. Overwrites the Q the P came from (warm start keeps it).
+                q.copy_(torch.mm(p.t(), m).t())
+                if state.use_error_feedback:
+                    m.addmm_(p, q.t(), alpha=-1)  # M - P Q^T in place, without a temporary
+            state.wire.add_all_reduce(self.q_flat)
+            q_future = dist.all_reduce(self.q_flat, group=state.process_group, async_op=True).get_future()
+        except Exception as error:  # noqa: BLE001 - handed to whoever waits for the bucket
+            self.result.set_exception(error)
+            return
+        q_future.then(self._complete)
+
+    def fail(self, why: str) -> None:
+        self.result.set_exception(RuntimeError(why))
+
+    def _complete(self, q_future: torch.futures.Future) -> None:
+        try:
+            q_future.value()  # re-raises a failed all-reduce
+            self.result.set_result(self.write(self.ps, self.qs, self.carried))
+        except Exception as error:  # noqa: BLE001 - handed to whoever waits for the bucket
+            self.result.set_exception(error)
