@@ -13,6 +13,9 @@ Used by the suite, the scaling study and the hooks benchmark through ``--link RA
     python benchmarks/suite.py --link 1gbit          # starts torchrun inside the namespace
     python benchmarks/scaling.py --link 1gbit
 
+``scaling.py --link RATE --per-rank-links`` gives each rank a link of its own instead of the
+shared loopback ([Note: one link per rank], ``run_ranks``).
+
 ``enter(rate, nproc)`` runs first in the script's ``main``: outside the namespace it creates one
 (uniquely named), starts the same command inside it (under torchrun when ``nproc`` is given)
 and exits with its status; inside (``GRADSYNC_BENCH_LINK`` set) it returns and the script runs
@@ -27,12 +30,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 ENV_VAR = "GRADSYNC_BENCH_LINK"  # set inside the namespace: the rate, for reports
+TOPOLOGY_VAR = "GRADSYNC_BENCH_LINK_TOPOLOGY"  # "per-rank" when each rank has its own link (see below)
+SUBNET = "10.77.0"  # the per-rank links' addresses: rank r is SUBNET.(r + 1)
+MTU = "9000"  # jumbo frames, as cluster networks use; 1500 would cost CPU per byte on 2 cores
 BURST = "128kb"
 LATENCY = "50ms"  # how long a packet may queue in the shaper before it is dropped
 _RATE = re.compile(r"^\d+(\.\d+)?(kbit|mbit|gbit)$")
@@ -51,11 +58,27 @@ def current() -> str | None:
     return os.environ.get(ENV_VAR) or None
 
 
+def per_rank() -> bool:
+    """Whether this process runs behind a link of its own (``run_ranks``), not the shared loopback."""
+    return os.environ.get(TOPOLOGY_VAR) == "per-rank"
+
+
+def shaped_device() -> str:
+    """The interface whose qdisc shapes this process's traffic (for tc statistics)."""
+    return "eth0" if per_rank() else "lo"
+
+
 def describe() -> str:
     """One line for reports: which link the numbers were measured on."""
     rate = current()
     if rate is None:
         return "plain loopback (unshaped: communication is CPU time on the training cores)"
+    if per_rank():
+        return (
+            f"one link per rank: each rank in its own network namespace, joined to a bridge by a veth pair "
+            f"shaped to {rate} in each direction (tc tbf, burst {BURST}, latency {LATENCY}; MTU {MTU}), "
+            "like machines on a switch"
+        )
     return f"loopback shaped to {rate} (tc tbf, burst {BURST}, latency {LATENCY}) in a private network namespace"
 
 
@@ -104,6 +127,95 @@ def shaped_namespace(rate: str) -> Iterator[str]:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+@contextmanager
+def switched_namespaces(rate: str, ranks: int) -> Iterator[list[str]]:
+    """[Note: one link per rank]
+    The shared loopback is one bus: every byte of every rank passes one shaper, both directions
+    included, so a W-rank ring moves 2 (W - 1) times the gradients through one 1 Gbit/s queue
+    and step time grows with W. Separate machines each have a full-duplex link to a switch.
+    That is built here: a hub namespace holds a bridge; rank r's namespace holds ``eth0``
+    (address SUBNET.(r + 1)), one end of a veth pair whose other end is on the bridge. tbf
+    shapes both ends, so each rank sends at ``rate`` and receives at ``rate``. Yields the rank
+    namespaces; everything is removed on leaving (deleting a namespace deletes its veth end).
+    """
+    rate = parse_rate(rate)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    hub, names = f"gs-hub-{tag}", [f"gs-rank{r}-{tag}" for r in range(ranks)]
+    created: list[str] = []
+    try:
+        _run(["ip", "netns", "add", hub])
+        created.append(hub)
+        _run(["ip", "-n", hub, "link", "add", "br0", "mtu", MTU, "type", "bridge"])
+        _run(["ip", "-n", hub, "link", "set", "br0", "up"])
+        for r, name in enumerate(names):
+            _run(["ip", "netns", "add", name])
+            created.append(name)
+            port = f"port{r}"
+            _run(["ip", "link", "add", port, "netns", hub, "mtu", MTU, "type", "veth", "peer", "name", "eth0",
+                  "netns", name, "mtu", MTU])  # fmt: skip
+            _run(["ip", "-n", hub, "link", "set", port, "master", "br0", "up"])
+            _run(["ip", "-n", name, "addr", "add", f"{SUBNET}.{r + 1}/24", "dev", "eth0"])
+            _run(["ip", "-n", name, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", name, "link", "set", "lo", "up"])
+            _run(["tc", "-n", name, "qdisc", "add", "dev", "eth0", "root", *_tbf(rate)])  # what rank r sends
+            _run(["tc", "-n", hub, "qdisc", "add", "dev", port, "root", *_tbf(rate)])  # what it receives
+        yield names
+    finally:
+        for name in reversed(created):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def run_ranks(rate: str, ranks: int, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Run ``argv`` once per rank, each behind its own link ([Note: one link per rank]); the worst status.
+
+    Each process gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK=0, MASTER_ADDR = rank
+    0's address) and ``GLOO_SOCKET_IFNAME=eth0``, so ``init_process_group()`` works unchanged.
+    On failure of one rank, or an interrupt, the others are stopped before the links go.
+    """
+    base = dict(os.environ if env is None else env, **{ENV_VAR: parse_rate(rate), TOPOLOGY_VAR: "per-rank"})
+    base.update(MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT="29500", WORLD_SIZE=str(ranks), GLOO_SOCKET_IFNAME="eth0")
+    base.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0", TORCHELASTIC_RUN_ID="gradsync-bench")
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    children: list[subprocess.Popen] = []
+    try:
+        with switched_namespaces(rate, ranks) as names:
+            for r, name in enumerate(names):
+                env_r = dict(base, RANK=str(r), GROUP_RANK=str(r))
+                children.append(
+                    subprocess.Popen(["ip", "netns", "exec", name, *argv], env=env_r, start_new_session=True)
+                )
+            return _wait_all(children)
+    finally:
+        for child in children:
+            _stop(child)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _wait_all(children: list[subprocess.Popen]) -> int:
+    """Wait for every child; once one fails, give the rest 30 s (a peer may be blocked in a collective)."""
+    deadline = None
+    while True:
+        codes = [c.poll() for c in children]
+        if all(code is not None for code in codes):
+            return max(codes, key=abs)
+        if deadline is None and any(code not in (None, 0) for code in codes):
+            deadline = time.monotonic() + 30
+        if deadline is not None and time.monotonic() > deadline:
+            return next(code for code in codes if code not in (None, 0))
+        time.sleep(0.1)
+
+
+def _stop(child: subprocess.Popen) -> None:
+    if child.poll() is not None:
+        return
+    os.killpg(child.pid, signal.SIGTERM)
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks that clean up
 
@@ -122,13 +234,7 @@ def run_inside(rate: str, argv: Sequence[str], env: dict[str, str] | None = None
             try:
                 return child.wait()
             finally:
-                if child.poll() is None:
-                    os.killpg(child.pid, signal.SIGTERM)
-                    try:
-                        child.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(child.pid, signal.SIGKILL)
-                        child.wait()
+                _stop(child)
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -139,10 +139,16 @@ def synchronized(step: Any) -> Any:
 def launch(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
-        command += [__file__, "--worker", "--backend", args.backend, "--out", str(out)]
-        command += ["--sizes", *[str(s) for s in args.sizes]]
-        subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        worker = [__file__, "--worker", "--backend", args.backend, "--out", str(out)]
+        worker += ["--sizes", *[str(s) for s in args.sizes]]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if args.per_rank_links:  # one namespace and link per rank ([Note: one link per rank] in link.py)
+            status = link.run_ranks(args.link, world_size, [sys.executable, *worker], env)
+            if status != 0:
+                raise SystemExit(f"{world_size} ranks on per-rank links failed with status {status}")
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+            subprocess.run([*command, *worker], check=True, env=env)
         return json.loads(out.read_text())
 
 
@@ -212,6 +218,7 @@ def write_report(runs: dict[int, dict[str, Any]], args: argparse.Namespace, skip
     command += " --world-sizes " + " ".join(str(w) for w in args.world_sizes)
     command += " --sizes " + " ".join(f"{s:g}" for s in args.sizes)
     command += f" --link {args.link}" if args.link else ""
+    command += " --per-rank-links" if args.per_rank_links else ""
     device = "CPU" if args.backend == "gloo" else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     lines = [
         f"# Scaling: world size and model size ({today()})",
@@ -220,7 +227,7 @@ def write_report(runs: dict[int, dict[str, Any]], args: argparse.Namespace, skip
         "",
         f"- torch {torch.__version__}, Python {sys.version.split()[0]}, commit {revision()}",
         f"- backend {args.backend} on {device}, {os.cpu_count()} CPU cores, torch threads per rank 1",
-        f"- link: {link.describe()}",
+        f"- link: {link.describe() if not args.per_rank_links else per_rank_description(args.link)}",
         f"- model: {DEPTH} x Linear(w, w), batch {BATCH} per rank, MSE loss, SGD without momentum; "
         "contenders gradsync and torch DDP (default arguments) and no_comm (the bare module), interleaved",
         "- iterations: 5 rounds x 5 below 20 M parameters, 4 x 3 below 50 M, 3 x 2 above; time = slowest rank's",
@@ -239,6 +246,15 @@ def write_report(runs: dict[int, dict[str, Any]], args: argparse.Namespace, skip
     return path
 
 
+def per_rank_description(rate: str) -> str:
+    """link.describe() as the workers see it (the launcher itself stays outside the namespaces)."""
+    os.environ.update({link.ENV_VAR: link.parse_rate(rate), link.TOPOLOGY_VAR: "per-rank"})
+    try:
+        return link.describe()
+    finally:
+        del os.environ[link.ENV_VAR], os.environ[link.TOPOLOGY_VAR]
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
@@ -250,7 +266,15 @@ def parse_args() -> argparse.Namespace:
         "--link",
         help="rate of a shaped loopback link (1gbit, 10gbit, ...): the whole study runs inside it (link.py)",
     )
-    return parser.parse_args()
+    parser.add_argument(
+        "--per-rank-links",
+        action="store_true",
+        help="with --link: each rank behind its own link of that rate to a switch, not one shared loopback",
+    )
+    args = parser.parse_args()
+    if args.per_rank_links and not args.link:
+        parser.error("--per-rank-links needs --link RATE")
+    return args
 
 
 def main() -> int:
@@ -258,7 +282,12 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    link.enter(args.link, nproc=None)  # with --link: reruns this launcher inside a shaped namespace
+    if args.per_rank_links:
+        problem = link.missing()
+        if problem:
+            raise SystemExit(f"--per-rank-links: a shaped link {problem}; plain loopback still works.")
+    else:
+        link.enter(args.link, nproc=None)  # with --link: reruns this launcher inside a shaped namespace
     world_sizes, skipped = list(args.world_sizes), []
     if args.backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -23,6 +23,22 @@ MISSING = link.missing()
 needs_link = pytest.mark.skipif(MISSING is not None, reason=f"a shaped link {MISSING}")
 
 
+# One TCP exchange between two rank namespaces: the listener on rank 0's address, the client retrying
+# until the listener is up.
+SERVER = (
+    "import socket, sys; c, _ = socket.create_server((sys.argv[1], 29999)).accept(); c.sendall(b'through the switch')"
+)
+CLIENT = """
+import socket, sys, time
+for _ in range(50):
+    try:
+        print(socket.create_connection((sys.argv[1], 29999), timeout=2).recv(64).decode())
+        break
+    except ConnectionRefusedError:
+        time.sleep(0.1)
+"""
+
+
 def _namespaces() -> set[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in listed.splitlines() if line.strip()}
@@ -99,6 +115,52 @@ def test_every_contender_keeps_identical_replicas_on_a_shaped_link(tmp_path: Pat
         "gradsync", "gradsync_best", "gradsync_fused", "torch_ddp", "torch_ddp_view", "naive", "one_allreduce"
     }  # fmt: skip
     assert all(result.values()), result
+
+
+@needs_link
+@pytest.mark.timeout(60)
+def test_per_rank_links_are_shaped_both_ways_and_removed_even_on_error() -> None:
+    """[Note: one link per rank]: a veth pair per rank to a bridge, tbf on both ends."""
+    with pytest.raises(RuntimeError, match="inside"):
+        with link.switched_namespaces("1gbit", 3) as names:
+            hub = next(n for n in _namespaces() if n.startswith("gs-hub-") and n.endswith(names[0][-9:]))
+            for r, name in enumerate(names):
+                shown = subprocess.run(["ip", "-n", name, "addr", "show", "eth0"], capture_output=True, text=True)
+                assert f"{link.SUBNET}.{r + 1}/24" in shown.stdout, shown.stdout
+                for namespace, device in ((name, "eth0"), (hub, f"port{r}")):
+                    qdisc = subprocess.run(
+                        ["tc", "-n", namespace, "qdisc", "show", "dev", device], capture_output=True, text=True
+                    ).stdout
+                    assert re.search(r"tbf .* rate 1Gbit", qdisc), (namespace, device, qdisc)
+            address = f"{link.SUBNET}.1"
+            listener = subprocess.Popen(["ip", "netns", "exec", names[0], sys.executable, "-c", SERVER, address])
+            reply = subprocess.run(
+                ["ip", "netns", "exec", names[2], sys.executable, "-c", CLIENT, address],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            listener.wait(timeout=10)
+            assert reply.stdout.strip() == "through the switch", reply.stderr
+            raise RuntimeError("a failure inside")
+    assert not set(names) & _namespaces() and hub not in _namespaces()
+
+
+@needs_link
+@pytest.mark.timeout(180)
+def test_every_contender_keeps_identical_replicas_on_per_rank_links(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    job = Path(__file__).resolve().parent / "jobs" / "link_replicas.py"
+    before = _namespaces()
+    status = link.run_ranks(
+        "1gbit", 2, [sys.executable, str(job), "--out", str(out)], dict(os.environ, OMP_NUM_THREADS="1")
+    )
+    assert status == 0
+    assert _namespaces() == before, "a namespace of the run was left behind"
+    result = json.loads(out.read_text())
+    sent = int(re.search(r"Sent (\d+) bytes", result.pop("_shaper")).group(1))
+    assert sent > 1_000_000, "rank 0's traffic did not pass its link's shaper"
+    assert len(result) == 7 and all(result.values()), result
 
 
 @needs_link

@@ -1,4 +1,5 @@
-"""Run under torchrun inside a shaped namespace (tests/test_link.py): every benchmark contender
+"""Run under torchrun inside a shaped namespace, or by link.run_ranks behind per-rank links
+(tests/test_link.py): every benchmark contender
 that communicates trains a few steps on per-rank data; are the replicas identical?
 
 Writes JSON to --out: {contender: replicas_identical} and the bytes tc's shaper saw.
@@ -19,6 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import contenders  # noqa: E402
+import link  # noqa: E402
 from common import train_step  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
@@ -53,7 +55,8 @@ def main() -> None:
             step(i)
         result[name] = identical(model)
     if dist.get_rank() == 0:
-        shaper = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+        device = link.shaped_device()  # lo, or eth0 behind a per-rank link
+        shaper = subprocess.run(["tc", "-s", "qdisc", "show", "dev", device], capture_output=True, text=True).stdout
         result["_shaper"] = shaper
         Path(args.out).write_text(json.dumps(result))
     dist.barrier()
