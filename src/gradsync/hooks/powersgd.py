@@ -86,6 +86,7 @@ class PowerSGDState:
         "generator",
         "wire",
         "_in_flight",
+        "_saw_last",
     )
 
     def __init__(
@@ -116,15 +117,24 @@ class PowerSGDState:
         self.generator = torch.Generator().manual_seed(seed)
         self.wire = WireStats(self.world_size)
         self._in_flight: LowRankRound | None = None  # see [Note: P in flight] in low_rank.py
+        self._saw_last = False  # this pass's last bucket came to the hook (and ended the iteration)
 
     def compressing(self) -> bool:
         return self.iter >= self.start_iter
 
     def finish_launches(self) -> None:
-        """Finish the round left waiting for its ``P`` ([Note: P in flight]); nothing if none.
+        """The pass is over: finish the round left waiting for its ``P`` ([Note: P in flight]).
 
-        gradsync's reducer calls it once every bucket of a pass was launched or skipped.
+        gradsync's reducer calls it once every bucket of a pass was launched or skipped. When the
+        last bucket was skipped (``skip_all_reduce_unused_params``), this also ends the iteration,
+        which the last bucket's call would have done.
         """
+        self._finish_waiting()
+        if not self._saw_last:
+            self._end_iteration()
+        self._saw_last = False
+
+    def _finish_waiting(self) -> None:
         waiting, self._in_flight = self._in_flight, None
         if waiting is not None:
             waiting.finish()
@@ -132,7 +142,7 @@ class PowerSGDState:
     def _begin_round(self, round_: LowRankRound, bucket: GradBucket) -> None:
         self._in_flight = round_
         if bucket.is_last():
-            self.finish_launches()
+            self._finish_waiting()
 
     def _settle_before(self, bucket: GradBucket) -> None:
         """Before bucket ``b``'s collectives: finish the earlier bucket's round of this pass."""
@@ -140,7 +150,7 @@ class PowerSGDState:
         if waiting is None:
             return
         if waiting.index < bucket.index():
-            self.finish_launches()
+            self._finish_waiting()
         else:  # a new pass began: the one that left it ended early on this rank
             self._in_flight = None
             waiting.fail(
@@ -149,8 +159,11 @@ class PowerSGDState:
             )
 
     def end_bucket(self, bucket: GradBucket) -> None:
-        if not bucket.is_last():
-            return
+        if bucket.is_last():
+            self._saw_last = True
+            self._end_iteration()
+
+    def _end_iteration(self) -> None:
         self.iter += 1
         self.wire.end_iteration()
         if self.iter == self.start_iter and self.rank == 0:
