@@ -6,10 +6,11 @@ Run (about 3 minutes on a 2-core machine; wait until the machine is otherwise id
 
 The model is ``large_grad`` from ``workloads.py`` (~50 M parameters, batch 4: little
 compute, 200 MiB of gradients). Hooks are compared in groups, each group's contenders
-interleaved over rounds (common.py's [Note: how an iteration is timed]) and freed before
-the next group, so at most three model copies live at once:
+interleaved over rounds (common.py's [Note: how an iteration is timed]) with the
+no-communication step (the floor every ratio is taken to, measured in the same rounds) and
+freed before the next group, so at most four model copies live at once:
 
-- gradsync ``allreduce_hook`` vs torch DDP default (and no communication, the floor);
+- gradsync ``allreduce_hook`` vs torch DDP default;
 - gradsync ``fp16_compress_hook`` vs torch DDP + torch's ``fp16_compress_hook``;
 - gradsync ``bf16_compress_hook`` (torch's refuses to register on CPU/gloo);
 - gradsync ``powersgd_hook`` vs torch's ``powerSGD_hook``, rank 1 and rank 4, both
