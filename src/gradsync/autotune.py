@@ -161,8 +161,8 @@ def prefers_few_buckets(hook_state: object) -> bool:
     The default cuts a model into small buckets on a slow link so that uncompressed all-reduces
     start early and hide behind backward. A hook that sends a small fraction of the bytes gains
     nothing from that and pays a latency and a round per bucket: PowerSGD on transformer at
-    1 Gbit/s took 1.20x the no-communication step with eight buckets and 1.12x with torch's
-    two. Its state says so (``prefers_few_buckets``), and the default then goes back to torch's
+    1 Gbit/s took 1.20x the no-communication step with eight buckets and 1.12-1.14x with
+    torch's two. Its state says so (``prefers_few_buckets``), and the default then goes back to torch's
     caps from the rebuild after iteration 0 on. Caps the user chose are never changed.
     """
     return bool(getattr(hook_state, "prefers_few_buckets", False))

@@ -4,8 +4,8 @@
 A round is ``P = M Q; all-reduce P; orthonormalise P; Q = M^T P; all-reduce Q``. Its second
 half needs the summed ``P``, so a hook that ran the whole round at once would wait for ``P``
 in the middle of backward: on a slow link the wait is the other rank's lag plus the link's
-latency, paid once per bucket. Instead ``LowRankRound.start`` computes the local ``P`` and
-launches its all-reduce, and ``finish`` (the second half) runs at the hook's *next* call,
+latency, paid once per bucket. Instead constructing a ``LowRankRound`` computes the local ``P``
+and launches its all-reduce, and ``finish`` (the second half) runs at the hook's *next* call,
 when backward has produced the next bucket and ``P`` has usually arrived; the last bucket of
 a pass finishes at once. Every collective is still issued by the hook itself, on the thread
 that launches buckets in index order (see [Note: collective order] in powersgd.py), so
@@ -60,7 +60,7 @@ def initial_q(state: Any, bucket: GradBucket, numel: int, like: torch.Tensor) ->
 
 
 class LowRankRound:
-    """One bucket's round: ``start`` at construction, ``finish`` later ([Note: P in flight]).
+    """One bucket's round: the first half at construction, ``finish`` later ([Note: P in flight]).
 
     ``matrices`` are overwritten by their local residual when error feedback is on.
     ``passenger``: elements sent uncompressed ride in ``P``'s all-reduce rather than in a
