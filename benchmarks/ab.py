@@ -5,6 +5,13 @@ Run (a few minutes; ``--before`` defaults to ``HEAD``):
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/ab.py \
         --before HEAD --label fused-division --workloads large_grad transformer
 
+    python benchmarks/ab.py --link 1gbit --hook powersgd --before fe753b1 --label powersgd --workloads transformer
+
+``--hook powersgd`` registers each package's own ``powersgd_hook`` (rank ``--rank``, compressing
+from iteration 2) on ``after`` and ``before``, and torch's ``powerSGD_hook`` on torch's DDP (with
+one bucket: with several it deadlocks on gloo, see hooks_bench.py). ``--link RATE`` runs it all
+on a shaped link (link.py).
+
 Each rank extracts ``src/gradsync`` of the ``--before`` revision (``git archive``) into a
 temporary directory as the package ``gradsync_before`` and imports it next to the working
 tree's ``gradsync``. Contenders, on the same weights and batches, interleaved in rounds
@@ -32,9 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
+import gradsync.hooks as after_hooks
 from gradsync import DistributedDataParallel as AfterDDP
 
+import link
 from common import (
     REPO,
     TORCH_DDP,
@@ -49,6 +59,7 @@ from common import (
 from workloads import WORKLOADS, Workload
 
 COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/ab.py"
+SHAPED_COMMAND = "python benchmarks/ab.py"  # --link: it starts torchrun inside the namespace
 CONTENDERS = ("after", "before", "torch_ddp", "no_comm")
 BATCHES_PER_RANK = 4
 
@@ -67,14 +78,28 @@ def import_revision(revision: str, into: Path) -> Any:
     return importlib.import_module("gradsync_before")
 
 
-def build(name: str, module: nn.Module, before: Any, as_view: bool) -> nn.Module:
+def build(name: str, module: nn.Module, before: Any, args: argparse.Namespace) -> nn.Module:
+    as_view = args.as_view
     if name == "after":
-        return AfterDDP(module, gradient_as_bucket_view=as_view)
+        return _with_hook(AfterDDP(module, gradient_as_bucket_view=as_view), after_hooks, args)
     if name == "before":
-        return before.DistributedDataParallel(module, gradient_as_bucket_view=as_view)
+        ddp = before.DistributedDataParallel(module, gradient_as_bucket_view=as_view)
+        return _with_hook(ddp, importlib.import_module("gradsync_before.hooks"), args)
     if name == "torch_ddp":
+        if args.hook == "powersgd":  # one bucket: torch's hook deadlocks on gloo with several
+            ddp = TORCH_DDP(module, gradient_as_bucket_view=as_view, bucket_cap_mb=1024)
+            state = torch_powersgd.PowerSGDState(None, matrix_approximation_rank=args.rank, start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, torch_powersgd.powerSGD_hook)
+            return ddp
         return TORCH_DDP(module, gradient_as_bucket_view=as_view)
     return module
+
+
+def _with_hook(ddp: nn.Module, hooks: Any, args: argparse.Namespace) -> nn.Module:
+    if args.hook == "powersgd":
+        state = hooks.PowerSGDState(None, matrix_approximation_rank=args.rank, start_iter=2)
+        ddp.register_comm_hook(state, hooks.powersgd_hook)
+    return ddp
 
 
 def measure(workload: Workload, before: Any, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -87,7 +112,7 @@ def measure(workload: Workload, before: Any, args: argparse.Namespace) -> dict[s
     def build_runs(names: list[str]) -> list[Contender]:
         runs = []
         for name in names:
-            model = build(name, copy.deepcopy(base), before, args.as_view)
+            model = build(name, copy.deepcopy(base), before, args)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=workload.momentum)
             contender = Contender(name, train_step(model, optimizer, workload.loss, batches))
             contender.rest = lambda optimizer=optimizer: optimizer.zero_grad(set_to_none=True)
@@ -118,8 +143,9 @@ def report(results: dict[str, dict[str, list[float]]], iters: dict[str, int], ar
     lines = [
         f"# A/B: gradsync working tree vs `{args.before}` ({args.label})",
         "",
-        *environment_lines(" ".join([COMMAND, *sys.argv[1:]])),
+        *environment_lines(" ".join([SHAPED_COMMAND if link.current() else COMMAND, *sys.argv[1:]])),
         f"- `--before {args.before}`: {revision_line(args.before)}",
+        f"- comm hook: {_hook_line(args)}",
         f"- gradient_as_bucket_view={args.as_view}; {args.rounds} rounds, warm-up {args.warmup}"
         f"{', contenders rebuilt every round' if args.fresh_per_round else ''}; iteration as in "
         "common.py (zero_grad(set_to_none=True), forward, loss, backward, SGD step), slowest rank",
@@ -137,6 +163,15 @@ def report(results: dict[str, dict[str, list[float]]], iters: dict[str, int], ar
                 cells.append(f"{ratio:.3f} [{low:.3f}, {high:.3f}]")
             lines.append(f"| {workload} | {name} | {s.median_ms:.2f} | {s.p90_ms:.2f} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
+
+
+def _hook_line(args: argparse.Namespace) -> str:
+    if args.hook == "none":
+        return "none (each DDP's default all-reduce)"
+    return (
+        f"PowerSGD rank {args.rank} from iteration 2: each package's own `powersgd_hook` on `after` and `before` "
+        "(default buckets), torch's `powerSGD_hook` on torch_ddp with one bucket"
+    )
 
 
 def revision_line(revision: str) -> str:
@@ -160,7 +195,11 @@ def main() -> None:
         action="store_true",
         help="rebuild every contender each round ([Note: fresh contenders per round])",
     )
+    parser.add_argument("--hook", choices=["none", "powersgd"], default="none", help="comm hook on every DDP")
+    parser.add_argument("--rank", type=int, default=1, help="PowerSGD's matrix_approximation_rank with --hook")
+    parser.add_argument("--link", help="rate of a shaped loopback link (1gbit, ...): start with python (link.py)")
     args = parser.parse_args()
+    link.enter(args.link, nproc=2)  # with --link: runs this script inside a shaped namespace, then exits
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     with tempfile.TemporaryDirectory() as tmp:
