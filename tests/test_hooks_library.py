@@ -173,16 +173,9 @@ def _rank_one_grads(step: int, rank: int, rows: int, cols: int) -> torch.Tensor:
     return torch.outer(u, _grad(step, rank, cols)).reshape(-1)
 
 
-def _check_powersgd() -> None:
-    rank = dist.get_rank()
-    make = Buckets()
-    # Before start_iter: plain all-reduce, bit for bit.
-    state = PowerSGDState(None, start_iter=2)
-    for step in range(2):
-        assert torch.equal(_run(powersgd_hook, state, make(_grad(step, rank))), _mean(step))
-    # Then: vectors exact; each matrix the projection of the average onto r orthonormal columns.
-    result = _run(powersgd_hook, state, make(_grad(2, rank)))
-    mean, offset = _mean(2), 0
+def _assert_powersgd_of_mean(result: torch.Tensor, step: int) -> None:
+    """Vectors exactly the mean; each matrix a rank-one projection of the mean."""
+    mean, offset = _mean(step), 0
     for shape in SHAPES:
         n = math.prod(shape)
         got, want = result[offset : offset + n], mean[offset : offset + n]
@@ -191,6 +184,17 @@ def _check_powersgd() -> None:
         else:
             _assert_rank_r_projection(got.view(shape[0], -1), want.view(shape[0], -1), 1)
         offset += n
+
+
+def _check_powersgd() -> None:
+    rank = dist.get_rank()
+    make = Buckets()
+    # Before start_iter: plain all-reduce, bit for bit.
+    state = PowerSGDState(None, start_iter=2)
+    for step in range(2):
+        assert torch.equal(_run(powersgd_hook, state, make(_grad(step, rank))), _mean(step))
+    # Then: vectors exact; each matrix the projection of the average onto r orthonormal columns.
+    _assert_powersgd_of_mean(_run(powersgd_hook, state, make(_grad(2, rank))), 2)
     assert state.wire.bytes_per_iteration[-1] == 4 * ((8 + 6) + (5 + 12) + 6 + 4)  # P, Q, vectors
     # Full rank is lossless; a rank-one average is recovered exactly at rank one.
     full = PowerSGDState(
@@ -235,19 +239,6 @@ def _assert_rank_r_projection(approx: torch.Tensor, target: torch.Tensor, r: int
 
 def test_powersgd_matches_hand_reference() -> None:
     run_distributed(_check_powersgd, W)
-
-
-def _assert_powersgd_of_mean(result: torch.Tensor, step: int) -> None:
-    """Vectors exactly the mean; each matrix a rank-one projection of the mean."""
-    mean, offset = _mean(step), 0
-    for shape in SHAPES:
-        n = math.prod(shape)
-        got, want = result[offset : offset + n], mean[offset : offset + n]
-        if len(shape) == 1:
-            assert torch.equal(got, want)
-        else:
-            _assert_rank_r_projection(got.view(shape[0], -1), want.view(shape[0], -1), 1)
-        offset += n
 
 
 def _check_powersgd_rounds_across_buckets() -> None:
