@@ -294,7 +294,7 @@ def _ratio(samples: list[float], reference: list[float], iters: int) -> str:
 def best_hooks(rows: list[Row], iters: int) -> list[str]:
     """The issue's two targets for the best hook, read off the same-group ratios to no communication."""
     floor = {r.group: r.samples for r in rows if r.name == NO_COMM.name}
-    compressing = [r for r in rows if r.group not in ("plain",) and r.name != NO_COMM.name]
+    compressing = [r for r in rows if r.group != "plain" and r.name != NO_COMM.name]
     if not compressing:
         return []
     ratios = {r.name: paired_ratio(r.samples, floor[r.group], iters) for r in compressing}

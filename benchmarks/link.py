@@ -68,12 +68,13 @@ def shaped_device() -> str:
     return "eth0" if per_rank() else "lo"
 
 
-def describe() -> str:
-    """One line for reports: which link the numbers were measured on."""
-    rate = current()
+def describe(rate: str | None = None, one_per_rank: bool | None = None) -> str:
+    """One line for reports: which link the numbers were measured on (by default this process's)."""
+    rate = current() if rate is None else parse_rate(rate)
+    one_per_rank = per_rank() if one_per_rank is None else one_per_rank
     if rate is None:
         return "plain loopback (unshaped: communication is CPU time on the training cores)"
-    if per_rank():
+    if one_per_rank:
         return (
             f"one link per rank: each rank in its own network namespace, joined to a bridge by a veth pair "
             f"shaped to {rate} in each direction (tc tbf, burst {BURST}, latency {LATENCY}; MTU {MTU}), "

@@ -227,7 +227,7 @@ def write_report(runs: dict[int, dict[str, Any]], args: argparse.Namespace, skip
         "",
         f"- torch {torch.__version__}, Python {sys.version.split()[0]}, commit {revision()}",
         f"- backend {args.backend} on {device}, {os.cpu_count()} CPU cores, torch threads per rank 1",
-        f"- link: {link.describe() if not args.per_rank_links else per_rank_description(args.link)}",
+        f"- link: {link.describe(args.link, True) if args.per_rank_links else link.describe()}",
         f"- model: {DEPTH} x Linear(w, w), batch {BATCH} per rank, MSE loss, SGD without momentum; "
         "contenders gradsync and torch DDP (default arguments) and no_comm (the bare module), interleaved",
         "- iterations: 5 rounds x 5 below 20 M parameters, 4 x 3 below 50 M, 3 x 2 above; time = slowest rank's",
@@ -244,15 +244,6 @@ def write_report(runs: dict[int, dict[str, Any]], args: argparse.Namespace, skip
     path = report_path(f"scaling{suffix}")
     path.write_text("\n".join(lines))
     return path
-
-
-def per_rank_description(rate: str) -> str:
-    """link.describe() as the workers see it (the launcher itself stays outside the namespaces)."""
-    os.environ.update({link.ENV_VAR: link.parse_rate(rate), link.TOPOLOGY_VAR: "per-rank"})
-    try:
-        return link.describe()
-    finally:
-        del os.environ[link.ENV_VAR], os.environ[link.TOPOLOGY_VAR]
 
 
 def parse_args() -> argparse.Namespace:

@@ -65,8 +65,7 @@ def shadow_reduce(reducer: Reducer) -> None:
         else:
             bucket = GradBucket(b, zeros, storage, b == count - 1)
             pending.append(reducer.comm_hook(reducer.comm_hook_state, bucket))
-    if reducer.comm_hook is not None:
-        finish_hook_launches(reducer.comm_hook_state)
+    finish_hook_launches(reducer.comm_hook_state)
     if reducer.find_unused or (reducer.static_graph and reducer.iteration == 0):
         used = torch.zeros(len(reducer.params), dtype=torch.int32, device=reducer.buckets.device)
         pending.append(dist.all_reduce(used, group=reducer.process_group, async_op=True))

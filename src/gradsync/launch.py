@@ -109,7 +109,8 @@ def finish_hook_launches(hook_state: Any) -> None:
 
     A hook may leave part of a bucket's work for its next call (gradsync's PowerSGD does:
     [Note: P in flight] in hooks/low_rank.py); its state's ``finish_launches`` does that work
-    now. Other states, torch's included, have no such method and nothing happens.
+    now. Other states (torch's included, and ``None`` without a hook) have no such method and
+    nothing happens.
     """
     finish = getattr(hook_state, "finish_launches", None)
     if callable(finish):

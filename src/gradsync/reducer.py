@@ -327,8 +327,7 @@ class Reducer(TorchReducerSurface, LaunchesBuckets, TolerantReduction, ReducerRe
         for index in missing:
             self._marked_unused.add(index)
             self._mark_ready(index)
-        if self.comm_hook is not None:
-            finish_hook_launches(self.comm_hook_state)
+        finish_hook_launches(self.comm_hook_state)
         globally_used = self._never_used  # static graph: parameters no rank used keep .grad None
         if agree_used:
             globally_used = self._agree_on_used()

@@ -104,8 +104,7 @@ class TolerantReduction:
                 self._results.append(pending)
             else:
                 self._launch_dense(b)
-        if self.comm_hook is not None:
-            launch.finish_hook_launches(self.comm_hook_state)
+        launch.finish_hook_launches(self.comm_hook_state)
         self._wait_and_defer(None)
         self._results = []
 
