@@ -37,7 +37,8 @@ from gradsync.hooks import (
     powersgd_hook,
     topk_hook,
 )
-from gradsync.hooks.powersgd import _matrix_shape, _orthonormalise, _square_ish
+from gradsync.hooks.low_rank import orthonormalise
+from gradsync.hooks.powersgd import _matrix_shape, _square_ish
 from gradsync.hooks.topk import largest_indices
 from gradsync.hooks.wire import all_gather_bytes, all_reduce_bytes
 
@@ -83,13 +84,13 @@ def test_matrix_views_and_padding() -> None:
 
 def test_orthonormalise_survives_zero_and_half_precision() -> None:
     zero = torch.zeros(6, 2)
-    _orthonormalise(zero)
+    orthonormalise(zero)
     assert torch.isfinite(zero).all()
     p = torch.randn(6, 2, generator=torch.Generator().manual_seed(0))
-    _orthonormalise(p)
+    orthonormalise(p)
     assert torch.allclose(p.T @ p, torch.eye(2), atol=1e-6)
     half = torch.randn(6, 2, generator=torch.Generator().manual_seed(1)).bfloat16()
-    _orthonormalise(half)
+    orthonormalise(half)
     assert torch.allclose((half.T @ half).float(), torch.eye(2), atol=2e-2)
 
 

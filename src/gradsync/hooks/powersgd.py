@@ -49,7 +49,6 @@ import torch.distributed as dist
 from ..grad_bucket import GradBucket
 from .allreduce import allreduce_future
 from .low_rank import LowRankRound
-from .low_rank import orthonormalise as _orthonormalise  # noqa: F401 - tests reach it here
 from .memory import BucketMemory
 from .wire import WireStats
 
