@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import gradsync.bucket_set
+import gradsync.engine.bucket_set
 from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync.ddp import TorchDDP
-from gradsync.reducer import Reducer
+from gradsync.engine.reducer import Reducer
 
 # (owner, attribute, section); owner is patched for the duration of the measurement.
 PATCHES: list[tuple[Any, str, str]] = [
@@ -50,7 +50,7 @@ PATCHES: list[tuple[Any, str, str]] = [
     (Reducer, "_on_grad_accumulated", "Reducer._on_grad_accumulated (per parameter)"),
     (Reducer, "_launch", "Reducer._launch (per bucket: copy in, start all-reduce)"),
     (Reducer, "_finalize_callback", "Reducer._finalize_callback (wait, copy out)"),
-    (gradsync.bucket_set, "wait_for", "[not gradsync] waiting for the all-reduce"),
+    (gradsync.engine.bucket_set, "wait_for", "[not gradsync] waiting for the all-reduce"),
 ]
 NOT_GRADSYNC = "[not gradsync]"
 MODULE_FORWARD = "[not gradsync] the wrapped module's forward"

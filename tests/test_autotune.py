@@ -10,8 +10,8 @@ from torch import nn
 
 import gradsync.ddp as ddp_module
 from gradsync import DistributedDataParallel as DDP
-from gradsync.autotune import ADAPT_MIN_BYTES, MIN_CAP, choose_cap, default_bucket_caps, default_caps_from
-from gradsync.buckets import MIB
+from gradsync.wrapper.autotune import ADAPT_MIN_BYTES, MIN_CAP, choose_cap, default_bucket_caps, default_caps_from
+from gradsync.engine.buckets import MIB
 from gradsync.hooks import AllReduceState, PowerSGDState, allreduce_hook, powersgd_hook
 
 from harness import run_distributed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradsync.buckets import MIB, ParamInfo, assign_buckets, bucket_caps_bytes
+from gradsync.engine.buckets import MIB, ParamInfo, assign_buckets, bucket_caps_bytes
 
 
 def _params(*nbytes: int, key: str = "f32") -> list[ParamInfo]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gradsync import DistributedDataParallel as DDP
-from gradsync.device import move_to_device
+from gradsync.wrapper.device import move_to_device
 
 from harness import run_distributed
 from models import MLP, ConvBN, all_gather_flat, global_batch, loss_fn, rank_world, shard

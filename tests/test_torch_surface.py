@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
 from gradsync import DistributedDataParallel as DDP
-from gradsync.torch_surface import TorchDDPSurface
+from gradsync.compat.torch_surface import TorchDDPSurface
 
 from harness import run_distributed
 from models import MLP, UnusedBranch, global_batch, grads_of, loss_fn, rank_world, reference_step, shard

@@ -1,13 +1,13 @@
 """gradsync: a pure-Python DistributedDataParallel for PyTorch."""
 
 from .ddp import DistributedDataParallel
-from .grad_bucket import GradBucket
+from .engine.grad_bucket import GradBucket
 from .install import install, installed, uninstall
 from .install import install_from_env as _install_from_env
 from .naive import NaiveDataParallel
-from .stats import BucketInfo, DDPStats
+from .observability.stats import BucketInfo, DDPStats
+from .observability.trace import trace
 from .sync_batchnorm import SyncBatchNorm
-from .trace import trace
 
 convert_sync_batchnorm = SyncBatchNorm.convert_sync_batchnorm
 

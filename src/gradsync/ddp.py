@@ -18,18 +18,21 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
-from . import comm, errors, liveness, options, synced, watch
-from .autotune import auto_bucket_caps, default_bucket_caps, prefers_few_buckets, torch_default_caps
-from .debug import DesyncDetector, DivergenceCheck, Position
-from .device import move_to_device
-from .grad_bucket import check_comm_hook
-from .join import JoinableDDP, all_ranks_agree_to_sync, find_common_rank
-from .labels import label
-from .mixed_precision import MixedPrecision
-from .reducer import Reducer, ReducerState
-from .stats import DDPStats, collect_stats, now
+from .collectives import comm
+from .compat.torch_surface import TorchDDPSurface
+from .engine import errors
+from .engine.grad_bucket import check_comm_hook
+from .engine.reducer import Reducer, ReducerState
+from .observability import liveness
+from .observability.debug import DesyncDetector, DivergenceCheck, Position
+from .observability.labels import label
+from .observability.stats import DDPStats, collect_stats, now
 from .sync_batchnorm import SyncBatchNorm
-from .torch_surface import TorchDDPSurface
+from .wrapper import options, synced, watch
+from .wrapper.autotune import auto_bucket_caps, default_bucket_caps, prefers_few_buckets, torch_default_caps
+from .wrapper.device import move_to_device
+from .wrapper.join import JoinableDDP, all_ranks_agree_to_sync, find_common_rank
+from .wrapper.mixed_precision import MixedPrecision
 
 logger = logging.getLogger(__name__)
 

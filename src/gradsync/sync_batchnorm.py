@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .labels import label
+from .observability.labels import label
 
 
 class SyncBatchNorm(_BatchNorm):

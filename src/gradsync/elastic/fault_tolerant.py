@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..ddp import DistributedDataParallel
-from ..debug import fingerprint
-from ..results import wait_for
+from ..engine.results import wait_for
+from ..observability.debug import fingerprint
 from . import commit, heal, hook_state, membership
 from .run import ElasticRun, current
 

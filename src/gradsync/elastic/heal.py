@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import comm
+from ..collectives import comm
 
 
 class _Slot(NamedTuple):

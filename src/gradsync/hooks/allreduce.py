@@ -11,7 +11,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from ..grad_bucket import GradBucket
+from ..engine.grad_bucket import GradBucket
 from .wire import WireStats
 
 GroupOrState = Union[dist.ProcessGroup, None, "AllReduceState"]

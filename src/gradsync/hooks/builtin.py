@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..grad_bucket import GradBucket
+from ..engine.grad_bucket import GradBucket
 from .allreduce import allreduce_hook
 from .compression import fp16_compress_hook
 

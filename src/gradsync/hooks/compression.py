@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..grad_bucket import GradBucket
+from ..engine.grad_bucket import GradBucket
 from .allreduce import GroupOrState, allreduce_future, end_bucket, first_tensor, resolve
 
 Hook = Callable[[Any, GradBucket], torch.futures.Future]

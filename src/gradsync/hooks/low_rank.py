@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..grad_bucket import GradBucket
+from ..engine.grad_bucket import GradBucket
 
 
 def orthonormalise(p: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..grad_bucket import GradBucket
+from ..engine.grad_bucket import GradBucket
 from .allreduce import allreduce_future, end_bucket
 
 

@@ -46,7 +46,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..grad_bucket import GradBucket
+from ..engine.grad_bucket import GradBucket
 from .allreduce import allreduce_future
 from .low_rank import LowRankRound
 from .memory import BucketMemory

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..grad_bucket import GradBucket
+from ..engine.grad_bucket import GradBucket
 from .allreduce import end_bucket
 from .memory import BucketMemory, start_with_error_feedback
 from .wire import WireStats

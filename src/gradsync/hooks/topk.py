@@ -18,7 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..grad_bucket import GradBucket
+from ..engine.grad_bucket import GradBucket
 from .allreduce import end_bucket
 from .memory import BucketMemory, start_with_error_feedback
 from .wire import WireStats

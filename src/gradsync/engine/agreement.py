@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .debug import DesyncDetector, Position
+from ..collectives import comm
+from ..observability.debug import DesyncDetector, Position
 
 
 def agree_on_used(

@@ -49,7 +49,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .buckets import DEFAULT_BUCKET_CAP_MB, MIB, bucket_caps_bytes
+from ..engine.buckets import DEFAULT_BUCKET_CAP_MB, MIB, bucket_caps_bytes
 
 logger = logging.getLogger(__name__)
 

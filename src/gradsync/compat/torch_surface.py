@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm, errors, logging_data
-from .device import move_to_device
-from .grad_bucket import check_comm_hook
-from .join import all_ranks_agree_to_sync, find_common_rank, shadow_reduce
+from ..collectives import comm
+from ..engine import errors
+from ..engine.grad_bucket import check_comm_hook
+from ..wrapper.device import move_to_device
+from ..wrapper.join import all_ranks_agree_to_sync, find_common_rank, shadow_reduce
+from . import logging_data
 
 
 def _internal(name: str, instead: str) -> Callable[..., Any]:
@@ -74,7 +76,7 @@ class TorchDDPSurface:
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """``dist.BuiltinCommHookType.ALLREDUCE`` / ``FP16_COMPRESS`` as gradsync's Python hooks."""
-        from .hooks.builtin import builtin_hook
+        from ..hooks.builtin import builtin_hook
 
         hook = builtin_hook(comm_hook_type, self.process_group)
         self.register_comm_hook(None, hook)
@@ -84,7 +86,7 @@ class TorchDDPSurface:
 
         torch's signature; [Note: stepping as buckets complete] in fused_optim.py. Once per wrapper.
         """
-        from .fused_optim import FusedOptimizer
+        from ..engine.fused_optim import FusedOptimizer
 
         if getattr(self, "_fused_optimizer", None) is not None:
             raise RuntimeError(

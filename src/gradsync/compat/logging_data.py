@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
+    from ..ddp import DistributedDataParallel
 
 _ENV_KEYS = {
     "master_addr": "MASTER_ADDR",

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .buckets import bucket_caps_bytes
+from ..engine.buckets import bucket_caps_bytes
 
 
 def resolve_process_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:

@@ -41,18 +41,18 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from ..compat.torch_surface import TorchReducerSurface
+from ..observability.debug import DesyncDetector
+from ..observability.labels import label
+from ..observability.stats import IterationTimes, RunningStats, now
 from . import errors, graph, launch, ownership
 from .bucket_set import BucketSet
-from .debug import DesyncDetector
 from .fused_optim import FusedOptimizer
-from .labels import label
 from .launch import CommHook, LaunchesBuckets, finish_hook_launches
 from .rebuild import BucketRebuild, RebuildsBuckets
 from .reducer_reports import ReducerReports
 from .static_graph import StaticGraphCounts
-from .stats import IterationTimes, RunningStats, now
 from .tolerant import TolerantReduction
-from .torch_surface import TorchReducerSurface
 
 logger = logging.getLogger(__name__)
 

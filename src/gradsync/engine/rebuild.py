@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..observability.debug import DesyncDetector
 from .agreement import agree_on_order
 from .bucket_set import BucketSet
-from .debug import DesyncDetector
 
 logger = logging.getLogger("gradsync.reducer")
 

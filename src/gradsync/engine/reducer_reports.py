@@ -8,9 +8,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ..observability.liveness import roll_call
+from ..observability.stats import now
 from . import errors
-from .liveness import roll_call
-from .stats import now
 
 
 class ReducerReports:

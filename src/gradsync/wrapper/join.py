@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from .grad_bucket import GradBucket
-from .launch import finish_hook_launches
+from ..engine.grad_bucket import GradBucket
+from ..engine.launch import finish_hook_launches
 
 if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
-    from .reducer import Reducer
+    from ..ddp import DistributedDataParallel
+    from ..engine.reducer import Reducer
 
 
 def find_common_rank(rank: int, candidate: bool, group: dist.ProcessGroup, device: torch.device) -> int:

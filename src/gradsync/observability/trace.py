@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .stats import IterationTimes
 
 if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
+    from ..ddp import DistributedDataParallel
 
 
 @dataclass

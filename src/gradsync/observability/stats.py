@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .reducer import Reducer
+    from ..engine.reducer import Reducer
 
 now = time.perf_counter
 

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..observability.debug import Position
+from ..observability.labels import label
+from ..observability.stats import now
 from .bucket_set import BucketSet
-from .debug import Position
 from .errors import add_note, hook_not_future
 from .grad_bucket import GradBucket
-from .labels import label
-from .stats import now
 
 CommHook = Callable[[Any, GradBucket], torch.futures.Future]
 

@@ -1,0 +1,1 @@
+"""Collectives gradsync issues outside the per-bucket reduction, over public ``torch.distributed`` only."""
