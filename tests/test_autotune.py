@@ -10,7 +10,7 @@ from torch import nn
 
 import gradsync.ddp as ddp_module
 from gradsync import DistributedDataParallel as DDP
-from gradsync.wrapper.autotune import ADAPT_MIN_BYTES, MIN_CAP, choose_cap, default_bucket_caps, default_caps_from
+from gradsync.wrapper.bucket_caps import ADAPT_MIN_BYTES, MIN_CAP, choose_cap, default_bucket_caps, default_caps_from
 from gradsync.engine.buckets import MIB
 from gradsync.hooks import AllReduceState, PowerSGDState, allreduce_hook, powersgd_hook
 

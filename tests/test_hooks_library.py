@@ -20,7 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel as DDP
-from gradsync.engine.grad_bucket import BucketStorage, GradBucket
+from gradsync.engine.grad_bucket import GradBucket
+from gradsync.engine.storage import BucketStorage
 from gradsync.hooks import (
     AllReduceState,
     BucketMemory,

@@ -18,21 +18,24 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
-from .collectives import comm
+from .collectives.broadcast import broadcast_coalesced
+from .collectives.same_model import verify_same_parameters
 from .compat.torch_surface import TorchDDPSurface
 from .engine import errors
 from .engine.grad_bucket import check_comm_hook
 from .engine.reducer import Reducer, ReducerState
 from .observability import liveness
-from .observability.debug import DesyncDetector, DivergenceCheck, Position
+from .observability.desync import DesyncDetector, Position
+from .observability.divergence import DivergenceCheck
 from .observability.labels import label
-from .observability.stats import DDPStats, collect_stats, now
+from .observability.stats import DDPStats, collect_stats
+from .observability.timing import now
 from .sync_batchnorm import SyncBatchNorm
 from .wrapper import options, synced, watch
-from .wrapper.autotune import auto_bucket_caps, default_bucket_caps, prefers_few_buckets, torch_default_caps
+from .wrapper.bucket_caps import auto_bucket_caps, default_bucket_caps, prefers_few_buckets, torch_default_caps
 from .wrapper.device import move_to_device
-from .wrapper.join import JoinableDDP, all_ranks_agree_to_sync, find_common_rank
 from .wrapper.mixed_precision import MixedPrecision
+from .wrapper.uneven_inputs import JoinableDDP, all_ranks_agree_to_sync, find_common_rank
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +114,7 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
         self._trainable_flags = [p.requires_grad for p in self._trainable]
         self._named_params = named_params
         if init_sync:
-            comm.verify_same_parameters(named_params, self.process_group)
+            verify_same_parameters(named_params, self.process_group)
             self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
             if bucket_cap_mb is None and bucket_cap_mb_list is None:  # after the check: every rank agrees on total
                 caps = default_bucket_caps(self.process_group, named_params[0][1].device, total)
@@ -162,7 +165,7 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
         state = [p.detach() for _, p in self._named_params]
         if include_buffers:
             state += self._synced_buffers
-        comm.broadcast_coalesced(state, src, self.process_group)
+        broadcast_coalesced(state, src, self.process_group)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -265,7 +268,7 @@ class DistributedDataParallel(TorchDDPSurface, JoinableDDP, TorchDDP):
                 return  # fault-tolerant mode: this step failed already ([Note: a step is decided before it is written])
             try:
                 with synced.preserve_version_counters(self._synced_buffers):
-                    comm.broadcast_coalesced(self._synced_buffers, src, self.process_group)
+                    broadcast_coalesced(self._synced_buffers, src, self.process_group)
             except RuntimeError as error:
                 if self.reducer.keep_local:
                     self.reducer.failures.append(f"the buffer broadcast failed: {error}")

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives import comm
+from ..collectives.broadcast import broadcast_coalesced
 from ..engine import errors
 from ..engine.grad_bucket import check_comm_hook
 from ..wrapper.device import move_to_device
-from ..wrapper.join import all_ranks_agree_to_sync, find_common_rank, shadow_reduce
+from ..wrapper.uneven_inputs import all_ranks_agree_to_sync, find_common_rank, shadow_reduce
 from . import logging_data
 
 
@@ -193,7 +193,7 @@ class TorchDDPSurface:
     ) -> None:
         """Broadcast ``tensors`` from group rank ``authoritative_rank`` (one flat buffer per device)."""
         src = dist.get_global_rank(self.process_group, authoritative_rank)
-        comm.broadcast_coalesced(list(tensors), src, self.process_group)
+        broadcast_coalesced(list(tensors), src, self.process_group)
 
     def _sync_module_buffers(self, authoritative_rank: int) -> None:
         self._default_broadcast_coalesced(authoritative_rank=authoritative_rank)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..ddp import DistributedDataParallel
 from ..engine.results import wait_for
-from ..observability.debug import fingerprint
+from ..observability.divergence import fingerprint
 from . import commit, heal, hook_state, membership
 from .run import ElasticRun, current
 

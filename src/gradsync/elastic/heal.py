@@ -11,7 +11,7 @@ What travels, by collectives on the new group (no file): the model's ``state_dic
 and buffers), the optimizer's, the comm hook's shared state, ``extra_state`` objects'
 (schedulers, data positions), and the run's counters. First one ``broadcast_object_list`` of a
 skeleton: the same nested structure with every tensor replaced by its shape and dtype; then the
-tensors themselves in flat coalesced broadcasts (``comm.broadcast_coalesced``). Every member,
+tensors themselves in flat coalesced broadcasts (``broadcast_coalesced``). Every member,
 the survivors included, loads what arrived, so afterwards all hold the source's exact bits.
 """
 
@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..collectives import comm
+from ..collectives.broadcast import broadcast_coalesced
 
 
 class _Slot(NamedTuple):
@@ -71,11 +71,11 @@ def transfer(payload: Any, source: int, group: dist.ProcessGroup, device: torch.
     skeleton = [_strip(payload, tensors) if dist.get_rank() == source else None]
     dist.broadcast_object_list(skeleton, src=source, group=group)
     if dist.get_rank() == source:
-        comm.broadcast_coalesced(tensors, source, group)
+        broadcast_coalesced(tensors, source, group)
         return payload
     slots = sorted(_slots(skeleton[0]), key=lambda s: s.index)
     received = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in slots]
-    comm.broadcast_coalesced(received, source, group)
+    broadcast_coalesced(received, source, group)
     return _fill(skeleton[0], received)
 
 

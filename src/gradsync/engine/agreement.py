@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..collectives import comm
-from ..observability.debug import DesyncDetector, Position
+from ..collectives.broadcast import broadcast_int_list
+from ..observability.desync import DesyncDetector, Position
 
 
 def agree_on_used(
@@ -31,4 +31,4 @@ def agree_on_order(
     """The gradient-ready order rank 0 observed: every rank must build the same buckets."""
     if desync is not None:
         desync.check(Position("broadcast of the bucket order", forwards, len(local), "torch.int64"))
-    return comm.broadcast_int_list(local, dist.get_global_rank(group, 0), group, device)
+    return broadcast_int_list(local, dist.get_global_rank(group, 0), group, device)

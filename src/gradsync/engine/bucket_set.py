@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from ..observability.stats import IterationTimes, now
+from ..observability.timing import IterationTimes, now
 from .buckets import ParamInfo, assign_buckets
-from .grad_bucket import BucketStorage
 from .results import check_result, failure_message, wait_for
+from .storage import BucketStorage
 
 
 class BucketSet:

@@ -1,14 +1,8 @@
-"""Flat gradient storage for one bucket, and the object comm hooks receive.
+"""The bucket object comm hooks receive: torch's ``dist.GradBucket`` contract over gradsync's storage.
 
-``BucketStorage`` is ours: one flat tensor per bucket plus a view of it shaped like
-each parameter. ``GradBucket`` is what a comm hook sees; it honours the contract of
-torch's ``dist.GradBucket`` (``index``, ``buffer``, ``set_buffer``, ``gradients``,
-``parameters``, ``is_last``) so torch's built-in hooks run unchanged.
-
-[Note: one allocation per bucket]
-Every bucket owns a separate flat tensor rather than a slice of one big slab: hooks
-may ``resize_`` or ``set_buffer`` the buffer, and a resize of a view into a shared
-slab would silently overwrite the neighbouring bucket.
+``GradBucket`` honours the contract of torch's ``dist.GradBucket`` (``index``, ``buffer``,
+``set_buffer``, ``gradients``, ``parameters``, ``is_last``), so torch's built-in hooks run
+unchanged; ``check_comm_hook`` rejects at registration what torch's DDP rejects.
 """
 
 from __future__ import annotations
@@ -18,95 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-FUSE_DIVISION_MIN_NUMEL = 1 << 15  # mean elements per gradient from which copy and division fuse
-
-
-def _is_non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
-    """True when the strides are a permutation of a dense layout (e.g. channels_last)."""
-    if tensor.is_contiguous():
-        return True
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda item: item[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def make_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
-    """A view of ``flat`` shaped (and, when possible, strided) like ``param``.
-
-    Matching the parameter's strides keeps the gradient layout contract, so a
-    ``.grad`` that is a bucket view looks like one autograd would have produced.
-    """
-    if param.is_contiguous() or not _is_non_overlapping_and_dense(param):
-        return flat.narrow(0, offset, param.numel()).view(param.shape)
-    return flat.as_strided(param.shape, param.stride(), offset)
-
-
-class BucketStorage:
-    """One bucket's parameters, its flat buffer and per-parameter views into it."""
-
-    __slots__ = (
-        "param_indices",
-        "params",
-        "flat",
-        "views",
-        "offsets",
-        "sparse",
-        "fuse_division",
-        "untouched",
-        "_data_ptr",
-    )
-
-    def __init__(
-        self,
-        param_indices: list[int],
-        params: list[torch.Tensor],
-        sparse: bool,
-        lone_in_place: bool = False,
-        dtype: torch.dtype | None = None,
-    ):
-        """``lone_in_place``: a one-parameter dense bucket is normally reduced in that parameter's
-        ``.grad`` (``untouched``), so its flat buffer is allocated uninitialised and costs no resident
-        memory until a fallback writes it (every path writes the whole buffer before reading it).
-        ``dtype``: the flat buffer's, when reductions run in another precision than the parameters'."""
-        dtype = dtype or params[0].dtype
-        self.untouched = lone_in_place and not sparse and len(params) == 1 and dtype == params[0].dtype
-        self.param_indices = param_indices
-        self.params = params
-        self.sparse = sparse
-        self.offsets: list[int] = []
-        total = 0
-        for param in params:
-            self.offsets.append(total)
-            total += param.numel()
-        if sparse:
-            # A sparse gradient cannot live in a dense flat buffer: it is reduced as it is.
-            self.flat = torch.empty(0, dtype=dtype, device=params[0].device)
-            self.views: list[torch.Tensor] = []
-        else:
-            allocate = torch.empty if self.untouched else torch.zeros
-            self.flat = allocate(total, dtype=dtype, device=params[0].device)
-            self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
-        self._data_ptr = self.flat.data_ptr()
-        # See [Note: one pass per gradient] in bucket_set.py. benchmarks/copy_in.py measured the
-        # crossover at ~16K elements per gradient (one call each costs a second pass over that many).
-        self.fuse_division = not sparse and total >= FUSE_DIVISION_MIN_NUMEL * len(params)
-
-    def refresh_views_if_moved(self) -> bool:
-        """Re-point the views when a hook's ``resize_`` gave the flat buffer new storage."""
-        if self.sparse or self.flat.data_ptr() == self._data_ptr:
-            return False
-        self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, self.params)]
-        self._data_ptr = self.flat.data_ptr()
-        return True
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.params)
+from .storage import BucketStorage, make_view
 
 
 class GradBucket:

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..observability.debug import Position
+from ..observability.desync import Position
 from ..observability.labels import label
-from ..observability.stats import now
+from ..observability.timing import now
 from .bucket_set import BucketSet
 from .errors import add_note, hook_not_future
 from .grad_bucket import GradBucket

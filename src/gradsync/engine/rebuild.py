@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..observability.debug import DesyncDetector
+from ..observability.desync import DesyncDetector
 from .agreement import agree_on_order
 from .bucket_set import BucketSet
 

@@ -42,9 +42,9 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..compat.torch_surface import TorchReducerSurface
-from ..observability.debug import DesyncDetector
+from ..observability.desync import DesyncDetector
 from ..observability.labels import label
-from ..observability.stats import IterationTimes, RunningStats, now
+from ..observability.timing import IterationTimes, RunningStats, now
 from . import errors, graph, launch, ownership
 from .bucket_set import BucketSet
 from .fused_optim import FusedOptimizer

@@ -9,7 +9,7 @@ import warnings
 from typing import Any
 
 from ..observability.liveness import roll_call
-from ..observability.stats import now
+from ..observability.timing import now
 from . import errors
 
 

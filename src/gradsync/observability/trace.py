@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from .stats import IterationTimes
+from .timing import IterationTimes
 
 if TYPE_CHECKING:
     from ..ddp import DistributedDataParallel
