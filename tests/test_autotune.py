@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-import gradsync.ddp as ddp_module
+import gradsync.wrapper.data_parallel as ddp_module
 from gradsync import DistributedDataParallel as DDP
 from gradsync.wrapper.bucket_caps import ADAPT_MIN_BYTES, MIN_CAP, choose_cap, default_bucket_caps, default_caps_from
 from gradsync.engine.buckets import MIB
@@ -46,7 +46,7 @@ def _auto() -> list[int]:
         assert_grads_close(grads_of(model), grads_of(reference))
     with pytest.raises(ValueError, match="cannot be combined"):
         DDP(make_model("mlp"), bucket_cap_mb="auto", bucket_cap_mb_list=[1])
-    return ddp.reducer.caps
+    return ddp.engine.caps
 
 
 def test_auto_caps_are_identical_on_every_rank_and_train_correctly() -> None:
@@ -84,7 +84,7 @@ def _buckets_after_rebuild(hook: str, user_cap_mb: float | None) -> int:
     for step in range(3):
         x, y = global_batch("mlp", world, step)
         loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
-    return len(ddp.reducer.buckets.storages)
+    return len(ddp.engine.buckets.storages)
 
 
 def test_a_compressing_hook_keeps_torch_s_caps_under_the_link_default() -> None:

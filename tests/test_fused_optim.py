@@ -43,7 +43,7 @@ def _sgd_momentum_over_rebuilt_buckets(name: str) -> int:
         ref_opt.step()
         assert_replicas_identical(model, step)
     assert_params_close(model, reference)
-    return len(ddp.reducer.buckets.storages)
+    return len(ddp.engine.buckets.storages)
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn_bn"])

@@ -63,7 +63,7 @@ def _kill_during(phase: str) -> str:
         def die_in_reduction(state, bucket):  # noqa: ANN001 - torch checks hook annotations
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-            if ddp.reducer.iteration == 2 and rank == VICTIM:
+            if ddp.engine.iteration == 2 and rank == VICTIM:
                 _die()
             return allreduce_hook(None, bucket)
 

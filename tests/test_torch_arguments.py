@@ -93,7 +93,7 @@ def _mixed_precision(reduce_dtype: Any) -> dict:
         "max_diff": max((grads[n] - expected[n]).abs().max().item() for n in grads),
         "differs_from_fp32": max((grads[n] - g.grad).abs().max().item() for n, g in full.named_parameters()),
         "replicas": [t.tolist() for t in all_gather_flat(list(model.parameters()))],
-        "bucket_dtypes": {str(s.flat.dtype) for s in ddp.reducer.buckets.storages},
+        "bucket_dtypes": {str(s.flat.dtype) for s in ddp.engine.buckets.storages},
     }
 
 
@@ -156,8 +156,8 @@ def _skip_unused(skip: bool) -> dict:
         results[name], counts[name] = _count_all_reduces(train)
         if wrapper is DDP:
             unused = {"unused.weight", "unused.bias", "sometimes.weight", "sometimes.bias"}
-            names = ddp.reducer.names
-            storages = ddp.reducer.buckets.storages
+            names = ddp.engine.names
+            storages = ddp.engine.buckets.storages
             all_unused = sum(all(names[i] in unused for i in s.param_indices) for s in storages)
     return {"results": results, "gradsync_all_reduces": counts["gradsync"], "all_unused_buckets": all_unused}
 
@@ -187,7 +187,7 @@ def _delayed(hook_name: str, delayed_prefix: str) -> dict:
     named = dict(model.named_parameters())
     delayed = [(n, p) for n, p in model.named_parameters() if n.startswith(delayed_prefix)]
     ddp = DDP(model, delay_all_reduce_named_params=delayed, param_to_hook_all_reduce=named[hook_name])
-    order = [[ddp.reducer.names[i] for i in s.param_indices] for s in ddp.reducer.buckets.storages]
+    order = [[ddp.engine.names[i] for i in s.param_indices] for s in ddp.engine.buckets.storages]
     for i in range(3):  # the third iteration runs on the rebuilt buckets
         x, y = global_batch("mlp", world, i)
         model.zero_grad()

@@ -14,7 +14,6 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
 from gradsync import DistributedDataParallel as DDP
-from gradsync.compat.torch_surface import TorchDDPSurface
 
 from harness import run_distributed
 from models import MLP, UnusedBranch, global_batch, grads_of, loss_fn, rank_world, reference_step, shard
@@ -45,7 +44,7 @@ def test_every_name_torch_defines_is_gradsync_s_own() -> None:
 
 def test_internals_without_a_counterpart_say_so() -> None:
     with pytest.raises(NotImplementedError, match="_register_buffer_comm_hook is an internal of torch's"):
-        TorchDDPSurface._register_buffer_comm_hook(object(), None, None)
+        DDP._register_buffer_comm_hook(object(), None, None)
 
 
 # Keys torch's logger adds only later: runtime stats once sampled, rebuilt sizes at the 3rd forward,

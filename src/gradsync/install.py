@@ -22,7 +22,7 @@ C++-reducer internals (``torch.distributed._composable.replicate`` builds a torc
 uses its private state; ``ddp_zero_hook`` and ``_optimizer_overlap`` reach into its
 reducer), or use the class as a registry (``torch._dynamo.convert_frame`` asks
 ``DistributedDataParallel._get_active_ddp_module()`` for the torch DDP whose buckets its
-DDPOptimizer splits graphs at; gradsync never registers there, see ``TorchDDPSurface``).
+DDPOptimizer splits graphs at; gradsync never registers there, see ``_active_ddp_module`` in ddp.py).
 Their ``isinstance`` checks against torch's class still hold for gradsync's objects, a
 subclass. gradsync's own modules are skipped too: ddp.py derives from torch's class.
 

@@ -1,6 +1,6 @@
 """``FaultTolerant``: training that goes on when a rank dies, and heals a replacement.
 
-[Note: a step is decided before it is written] (see also tolerant.py)
+[Note: a step is decided before it is written] (see also engine/tolerance.py)
 ``loss.backward()`` reduces as usual, but a failed collective is noted rather than raised, and the
 averages wait in the buckets. ``ft.step()`` then
 1. asks every member to decide together whether the step commits (commit.py);
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ddp import DistributedDataParallel
 from ..engine.results import wait_for
 from ..observability.divergence import fingerprint
+from ..wrapper.data_parallel import DataParallelWrapper
 from . import commit, heal, hook_state, membership
 from .run import ElasticRun, current
 
@@ -53,7 +53,7 @@ class FaultTolerant:
 
     def __init__(
         self,
-        ddp: DistributedDataParallel,
+        ddp: DataParallelWrapper,
         optimizer: torch.optim.Optimizer,
         *,
         run: ElasticRun | None = None,
@@ -61,23 +61,23 @@ class FaultTolerant:
         on_reconfigure: Callable[[int, int, int], None] | None = None,
         divisor: str | int = "survivors",
     ) -> None:
-        if not isinstance(ddp, DistributedDataParallel):
+        if not isinstance(ddp, DataParallelWrapper):
             raise TypeError(f"FaultTolerant wraps a gradsync.DistributedDataParallel, got {type(ddp).__name__}.")
         if ddp.gradient_as_bucket_view:
             raise ValueError(
                 "FaultTolerant needs each rank's local gradient until a step commits, so it cannot use "
                 "gradient_as_bucket_view=True (the all-reduce would overwrite .grad). Wrap the model without it."
             )
-        if ddp.reducer.fused_optimizer is not None:
+        if ddp.engine.fused_optimizer is not None:
             raise ValueError(
                 "FaultTolerant decides each step after backward, so the optimizer cannot step inside it: "
                 "use a plain optimizer instead of _register_fused_optim."
             )
         if divisor != "survivors" and not (isinstance(divisor, int) and divisor > 0):
             raise ValueError(f"divisor must be 'survivors' or a positive int, got {divisor!r}.")
-        if isinstance(divisor, int) and ddp.reducer.comm_hook is not None:
+        if isinstance(divisor, int) and ddp.engine.reduction.hook is not None:
             raise ValueError("divisor=<int> averages without a comm hook only: comm hooks divide by the group's size.")
-        hook_state.check_supported(ddp.reducer.comm_hook_state)
+        hook_state.check_supported(ddp.engine.reduction.state)
         self.ddp = ddp
         self.optimizer = optimizer
         self.run = run or current()
@@ -89,7 +89,7 @@ class FaultTolerant:
         if self.run.joining:
             self._join()
         else:
-            layout = [ddp.reducer.layout()]
+            layout = [ddp.engine.layout()]
             dist.broadcast_object_list(layout, src=0)  # one layout for all ([Note: a joiner's buckets])
             self._rewire(layout[0])
 
@@ -132,8 +132,8 @@ class FaultTolerant:
     # ------------------------------------------------------------------ the step
     def step(self) -> bool:
         """Agree on this step with the other members and apply it: True once it is committed."""
-        reducer = self.ddp.reducer
-        if reducer.deferred is None and not reducer.failures:
+        engine = self.ddp.engine
+        if engine.tolerance.deferred is None and not engine.tolerance.failures:
             raise RuntimeError(
                 f"FaultTolerant.step() on rank {self.rank} found no reduced gradients: run a synced forward and "
                 "backward through the wrapped model first (not inside no_sync())."
@@ -141,7 +141,7 @@ class FaultTolerant:
         retried_with_all_alive = False
         while True:
             generation = self.run.generation
-            failure = "; ".join(reducer.failures)
+            failure = "; ".join(engine.tolerance.failures)
             look = time.monotonic() - self._looked_for_joiners > _LOOK_FOR_JOINERS_S
             decision = commit.decide(
                 self.run.store,
@@ -150,7 +150,7 @@ class FaultTolerant:
                 generation.number,
                 self._step,
                 generation.members,
-                not reducer.failures,
+                not engine.tolerance.failures,
                 failure,
                 self.run.arrivals_seen,
                 self.run.heartbeat,
@@ -161,7 +161,7 @@ class FaultTolerant:
             if decision.commit:
                 self._apply(decision)
                 return True
-            reducer.drop_step()
+            engine.tolerance.drop_step()
             before = set(generation.members)
             if not self._reconfigure(generation.members, generation.members, f"step aborted: {decision.reason}", True):
                 return False  # this process was left out; it joined again and was healed
@@ -172,13 +172,13 @@ class FaultTolerant:
                         f"{decision.reason}"
                     )
                 retried_with_all_alive = True
-            reducer = self.ddp.reducer
-            reducer.reduce_again()
+            engine = self.ddp.engine
+            engine.reduce_again()
 
     def _apply(self, decision: commit.Decision) -> None:
-        reducer = self.ddp.reducer
-        reducer.write_deferred()
-        reducer.drop_step()
+        engine = self.ddp.engine
+        engine.write_deferred()
+        engine.tolerance.drop_step()
         self.optimizer.step()
         self._step += 1
         self.run.arrivals_seen = decision.arrivals_seen
@@ -243,7 +243,7 @@ class FaultTolerant:
         # committed step was applied by all of them): only what can differ travels.
         everything = len(generation.healthy) < len(generation.members)
         payload = self._payload(everything) if dist.get_rank() == source else None
-        state = heal.transfer(payload, source, dist.group.WORLD, self.ddp.reducer.buckets.device)
+        state = heal.transfer(payload, source, dist.group.WORLD, self.ddp.engine.buckets.device)
         self._rewire(state["layout"])
         if dist.get_rank() != source:
             heal.load(self.ddp.module, self.optimizer, state)
@@ -251,22 +251,22 @@ class FaultTolerant:
                 obj.load_state_dict(state["extra"][name])
             self._step = state["step"]
             self.run.arrivals_seen = state["arrivals_seen"]
-        reducer = self.ddp.reducer
-        params = [storage.params for storage in reducer.buckets.storages]
-        hook_state.adopt(reducer.comm_hook_state, state["hook"], params, reset_hook_memory)
+        engine = self.ddp.engine
+        params = [storage.params for storage in engine.buckets.storages]
+        hook_state.adopt(engine.reduction.state, state["hook"], params, reset_hook_memory)
         self._check_identical(generation)
 
     def _payload(self, everything: bool) -> dict[str, Any]:
         """What the heal source sends: the whole state for joiners, else what may differ (buffers)."""
-        reducer = self.ddp.reducer
+        engine = self.ddp.engine
         model = self.ddp.module.state_dict() if everything else dict(self.ddp.module.named_buffers())
         return {
             "step": self._step,
             "arrivals_seen": self.run.arrivals_seen,
-            "layout": reducer.layout(),
+            "layout": engine.layout(),
             "model": model,
             "optimizer": self.optimizer.state_dict() if everything else None,
-            "hook": hook_state.share(reducer.comm_hook_state, len(reducer.buckets.storages)),
+            "hook": hook_state.share(engine.reduction.state, len(engine.buckets.storages)),
             "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
         }
 
@@ -281,7 +281,7 @@ class FaultTolerant:
             )
 
     def _fingerprints(self, buffers: bool) -> list[torch.Tensor]:
-        """Every member's divergence-check fingerprint (debug.py) of its parameters (and buffers) and
+        """Every member's divergence-check fingerprint (observability/divergence.py) of its parameters (and buffers) and
         optimizer state, by rank."""
         module = self.ddp.module
         tensors = list(module.state_dict().values()) if buffers else list(module.parameters())
@@ -292,20 +292,18 @@ class FaultTolerant:
         return every
 
     def _rewire(self, layout: dict[str, Any]) -> None:
-        """A fresh reducer over the current default group, with ``layout``'s buckets, keeping local gradients."""
+        """A fresh engine over the current default group, with ``layout``'s buckets, keeping local gradients."""
         ddp = self.ddp
-        ddp._reducer_config["keep_local_grads"] = True
-        ddp._reducer_config["caps"] = list(layout["caps"])
-        membership.bury(ddp.reducer)  # with its buckets and the work handles of its last steps
-        ddp._update_process_group(dist.group.WORLD)  # a fresh reducer, the comm hook kept
-        ddp.reducer.comm_hook_state = hook_state.rebind(ddp.reducer.comm_hook_state, dist.group.WORLD)
-        ddp.reducer.adopt_layout(layout["order"], layout["caps"], layout["rebuilt"])
-        ddp.reducer.waiter = self._wait_watching
+        membership.bury(ddp.engine)  # with its buckets and the work handles of its last steps
+        ddp.rebuild_engine(dist.group.WORLD, keep_local_grads=True, caps=tuple(layout["caps"]))  # the comm hook kept
+        engine = ddp.engine
+        if engine.reduction.hook is not None:
+            engine.reduction.state = hook_state.rebind(engine.reduction.state, dist.group.WORLD)
+        engine.adopt_layout(layout["order"], layout["caps"], layout["rebuilt"])
+        engine.tolerance.waiter = self._wait_watching
         if isinstance(self.divisor, int):
-            ddp.reducer.fixed_divisor = float(self.divisor)
-            ddp.reducer._reset_iteration()
-        if ddp._divergence is not None:
-            ddp._divergence.group = dist.group.WORLD
+            engine.divisor.fixed = float(self.divisor)
+            engine.divisor.reset()
 
     def _join(self) -> None:
         """Wait until the members admit this process, then form the generation with them and heal."""

@@ -32,3 +32,9 @@ def agree_on_order(
     if desync is not None:
         desync.check(Position("broadcast of the bucket order", forwards, len(local), "torch.int64"))
     return broadcast_int_list(local, dist.get_global_rank(group, 0), group, device)
+
+
+def shadow_used_map(count: int, group: dist.ProcessGroup, device: torch.device) -> dist.Work:
+    """A joined rank's part of ``agree_on_used``: it used nothing."""
+    used = torch.zeros(count, dtype=torch.int32, device=device)
+    return dist.all_reduce(used, group=group, async_op=True)

@@ -268,7 +268,7 @@ class BucketSet:
 
         The fault-tolerant mode's first half of ``write_back``: ``.grad`` keeps the local gradient
         until the step is agreed on ([Note: a step is decided before it is written] in
-        elastic/fault_tolerant.py). Stops at the first failed bucket, abandoning the rest.
+        engine/tolerance.py). Stops at the first failed bucket, abandoning the rest.
         ``waiter(pending)`` replaces ``wait_for`` (the fault-tolerant mode waits in slices).
         """
         waiter = waiter or wait_for

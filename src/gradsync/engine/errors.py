@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ..observability.liveness import roll_call
+
 
 def unused_parameters(names: list[str], rank: int, iteration: int) -> str:
     return (
@@ -72,3 +76,25 @@ def add_note(error: BaseException, note: str) -> None:
         error.add_note(note)
     else:
         error.__notes__ = [*getattr(error, "__notes__", []), note]
+
+
+def collective_failed(rank: int, where: str, detail: str) -> str:
+    """Where this rank was when a collective failed, and which ranks are gone (a roll call)."""
+    return f"Rank {rank}: a collective failed during {where}: {detail}. {roll_call(where)}"
+
+
+def backward_error(problems: list[str | Exception], describe_failure: Callable[[str], str]) -> BaseException:
+    """What to raise for a backward's problems: a comm hook's own exception first, as itself, with
+    the other problems as notes; else one RuntimeError (``describe_failure`` adds, for a failed
+    collective, where this rank was and who died)."""
+    exceptions = [e for e in problems if isinstance(e, BaseException)]
+    messages = list(dict.fromkeys(e for e in problems if isinstance(e, str)))
+    if exceptions:
+        error = exceptions[0]
+        for message in messages:
+            add_note(error, message)
+        return error
+    message = "; ".join(messages)
+    if any(" failed on bucket " in m for m in messages):
+        message = describe_failure(message)
+    return RuntimeError(message)

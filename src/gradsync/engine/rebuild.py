@@ -12,17 +12,12 @@ with ``find_unused_parameters`` unless the graph is static; torch makes the same
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from ..observability.desync import DesyncDetector
 from .agreement import agree_on_order
 from .bucket_set import BucketSet
-
-logger = logging.getLogger("gradsync.reducer")
 
 
 class BucketRebuild:
@@ -33,6 +28,10 @@ class BucketRebuild:
         self.pending = enabled  # still to happen; the reducer's hook records while this is set
         self.done = False
         self.order: list[int] = []  # parameter indices in the order they became ready
+
+    def due(self, iteration: int, reducing: bool) -> bool:
+        """After the first synced backward, before the next forward, once."""
+        return self.pending and iteration >= 1 and not reducing
 
     def agreed_order(
         self, group: dist.ProcessGroup, device: torch.device, desync: DesyncDetector | None, forwards: int
@@ -49,34 +48,7 @@ class BucketRebuild:
         self.order = []
         return buckets.rebuilt(order, caps, as_view, in_place)
 
-
-class RebuildsBuckets:
-    """Mixed into ``Reducer``: the one-time rebuild, also torch's ``Reducer._rebuild_buckets()``."""
-
-    @property
-    def rebuilt(self: Any) -> bool:
-        return self._rebuild.done
-
-    def _rebuild_buckets(self: Any) -> bool:
-        """Rebuild the buckets once, after the first synced backward; True if this call did.
-
-        [Note: bucket rebuild] in rebuild.py. Also torch's ``Reducer._rebuild_buckets()``, which
-        Lightning calls before every manual backward: every call after the rebuild is a no-op.
-        """
-        if not self._rebuild.pending or self.iteration < 1 or self.reducing:
-            return False
-        self.phase = "the one-time bucket rebuild broadcast"
-        rebuild = self._rebuild
-        try:
-            order = rebuild.agreed_order(self.process_group, self.buckets.device, self.desync, self.synced_forwards)
-        except RuntimeError as error:
-            if self.keep_local:  # fault-tolerant mode: the step is decided, and the buckets shipped, later
-                self.failures.append(f"the bucket order broadcast failed: {error}")
-                return False
-            raise RuntimeError(self.collective_failure_message(str(error))) from error
-        self._results = []  # the last iteration's work handles still reference the old buffers
-        in_place = self.comm_hook is None and not self.keep_local
-        self.buckets = rebuild.apply(self.buckets, order, self.caps, self.as_view, in_place)
-        self._reset_iteration()
-        logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))
-        return True
+    def adopt(self, rebuilt: bool) -> None:
+        """Another rank's layout was adopted ([Note: a joiner's buckets] in elastic/heal.py)."""
+        self.pending = not rebuilt and self.pending
+        self.done = rebuilt

@@ -13,9 +13,25 @@ ready          a parameter is ready once autograd has finished accumulating its 
 launched       a bucket whose collective (or comm hook) has been started.
 finalized      every launched bucket has been waited for and its result written to ``.grad``.
 
-Lifecycle per iteration: ``prepare_for_forward`` → ``prepare_for_backward`` →
-``mark_ready`` (per parameter, from autograd) → ``launch`` (per bucket, strictly in
-index order) → ``finalize`` (once, at the end of backward).
+Lifecycle per iteration: ``before_forward`` → ``arm`` (after a synced forward) →
+``_mark_ready`` (per parameter, from autograd) → ``_launch`` (per bucket, strictly in index
+order) → ``_finalize`` (once, at the end of backward). ``disarm`` after a forward that must not
+sync. These are gradsync's names; torch's (``prepare_for_backward``, ``_rebuild_buckets``, ...)
+are spoken by the facade ``ddp.reducer`` (compat/torch_reducer.py).
+
+The state, each part an object of its own (see its module):
+
+============  ===================  ===========================================================
+buckets       ``BucketSet``        flat buffers and where each parameter lives (bucket_set.py)
+reduction     ``Reduction``        how one bucket is averaged: all-reduce or comm hook (reductions.py)
+current       ``BackwardPass``     this backward's readiness, launches, errors (backward_pass.py)
+usage         ``ParameterUsage``   which parameters a backward uses (usage.py)
+static        ``StaticGraphCounts``  static_graph's hook counts (static_graph.py)
+rebuild       ``BucketRebuild``    the one-time rebuild in gradient-ready order (rebuild.py)
+divisor       ``Divisor``          what sums are divided by (divisor.py)
+records       ``Records``          what each iteration did: stats, trace, last error (records.py)
+tolerance     ``Tolerance``        the fault-tolerant mode's noted failures (tolerance.py)
+============  ===================  ===========================================================
 
 [Note: launch order]
 A bucket whose parameters are all ready is launched only after every bucket before it
@@ -23,7 +39,7 @@ was launched. Gradients may become ready in a different order on each rank; laun
 in index order makes every rank issue the same sequence of collectives anyway.
 
 [Note: end-of-backward callback]
-``finalize`` runs as an autograd-engine callback queued on the *outermost* backward. A
+``_finalize`` runs as an autograd-engine callback queued on the *outermost* backward. A
 pre-hook on the autograd nodes that produced the forward's outputs queues it: those
 nodes run first in a backward through the outputs, before reentrant checkpointing can
 start nested backwards (whose own callbacks would finish too early). If a parameter
@@ -41,18 +57,23 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ..compat.torch_surface import TorchReducerSurface
-from ..observability.desync import DesyncDetector
+from ..observability.desync import DesyncDetector, Position
 from ..observability.labels import label
-from ..observability.timing import IterationTimes, RunningStats, now
-from . import errors, graph, launch, ownership
+from ..observability.stats import DDPStats
+from ..observability.timing import now
+from . import errors, graph, ownership
+from .agreement import agree_on_used, shadow_used_map
+from .backward_pass import BackwardPass
 from .bucket_set import BucketSet
+from .config import ReducerConfig
+from .divisor import Divisor
 from .fused_optim import FusedOptimizer
-from .launch import CommHook, LaunchesBuckets, finish_hook_launches
-from .rebuild import BucketRebuild, RebuildsBuckets
-from .reducer_reports import ReducerReports
+from .rebuild import BucketRebuild
+from .records import Records, collect_stats
+from .reductions import AllReduce, CommHook, CommHookReduction, LaunchContext, Reduction
 from .static_graph import StaticGraphCounts
-from .tolerant import TolerantReduction
+from .tolerance import Tolerance
+from .usage import ParameterUsage
 
 logger = logging.getLogger(__name__)
 
@@ -64,151 +85,107 @@ class ReducerState(enum.Enum):
     FINALIZED = "finalized"  # averaged gradients of the last synced forward are in .grad
 
 
-class Reducer(TorchReducerSurface, LaunchesBuckets, TolerantReduction, ReducerReports, RebuildsBuckets):
+class Reducer:
     """Buckets, readiness tracking and reduction for one wrapped module."""
 
     def __init__(
         self,
         named_params: list[tuple[str, torch.nn.Parameter]],
-        sparse: list[bool],
         process_group: dist.ProcessGroup,
-        caps: list[int],
-        *,
-        find_unused_parameters: bool,
-        gradient_as_bucket_view: bool,
-        static_graph: bool,
-        skip_all_reduce_unused_params: bool = False,
-        delayed: frozenset[int] = frozenset(),
-        delay_after: int | None = None,
-        reduce_dtype: torch.dtype | None = None,
-        keep_local_grads: bool = False,
+        config: ReducerConfig,
     ) -> None:
-        """``keep_local_grads``: the fault-tolerant mode's reduction ([Note: a step is decided before
-        it is written] in elastic/fault_tolerant.py); see ``TolerantReduction``."""
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
+        count = len(self.params)
+        self.config = config
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.find_unused = find_unused_parameters
-        self.static_graph = static_graph
-        self.as_view = gradient_as_bucket_view
-        self.caps = caps
-        self.sparse = sparse
-        # Initial order: reverse registration, since later layers get gradients first.
-        # Reducing lone large gradients in place needs no hook; hooks are registered after
-        # construction, so the rebuild decides again.
+        self.caps = list(config.caps)  # what the rebuild uses; a compressing hook may change it (wrapper)
+        # Initial order: reverse registration, since later layers get gradients first. Reducing
+        # lone large gradients in place needs no hook; hooks are registered after construction,
+        # so the rebuild decides again.
         self.buckets = BucketSet(
             self.params,
-            sparse,
-            list(reversed(range(len(self.params)))),
-            caps,
-            reduce_lone_in_place=not keep_local_grads,
-            delayed=delayed,
-            reduce_dtype=reduce_dtype,
-            delay_after=delay_after,
+            list(config.sparse),
+            list(reversed(range(count))),
+            self.caps,
+            reduce_lone_in_place=not config.keep_local_grads,
+            delayed=config.delayed,
+            reduce_dtype=config.reduce_dtype,
+            delay_after=config.delay_after,
         )
-        # torch's contract: the unused set is the same on every rank, so every rank skips the same buckets.
-        self.skip_unused = skip_all_reduce_unused_params
-        self._known_unused: set[int] = set()
         self.initial_bucket_sizes = [s.nbytes for s in self.buckets.storages]
-        self.comm_hook: CommHook | None = None
-        self.fused_optimizer: FusedOptimizer | None = None  # ddp._register_fused_optim
-        self.comm_hook_state: Any = None
+        self.reduction: Reduction = AllReduce(process_group)
+        self.fused_optimizer: FusedOptimizer | None = None  # steps each bucket as it completes
+        self.desync: DesyncDetector | None = None  # debug mode: agree on every collective first
+        self.usage = ParameterUsage(count)
+        self.static = StaticGraphCounts(count)
+        self.rebuild = BucketRebuild(count, enabled=config.static_graph or not config.find_unused_parameters)
+        self.divisor = Divisor(self.world_size)
+        self.records = Records()
+        self.tolerance = Tolerance(config.keep_local_grads)
         self.state = ReducerState.IDLE
         self.iteration = 0  # synced backwards finalized so far
-        self._rebuild = BucketRebuild(len(self.params), enabled=static_graph or not find_unused_parameters)
-        self._param_index = {id(p): i for i, p in enumerate(self.params)}
-        self._used_since_sync = [False] * len(self.params)
-        self._forward_unused: set[int] | None = None
-        self._static = StaticGraphCounts(len(self.params))
-        self._output_hook_handles: list[Any] = []
-        self._callback_queued = False
-        # Under join with divide_by_initial_world_size=False, the forward's "still active"
-        # all-reduce tells how many ranks contribute; resolved at the first launch.
-        self._active_ranks_future: Any = None
-        self._divisor: float = float(self.world_size)
         self.synced_forwards = 0  # every rank counts the same; desync checks compare it
-        self.running = RunningStats()
-        self.timeline: Any = None  # a trace.Timeline while tracing
-        self.desync: DesyncDetector | None = None
         self.phase = "construction"  # named in errors when a collective fails
-        self._warned_nothing_unused = False
-        # can_set_static_graph: the same parameters unused in every synced iteration so far.
-        self.graph_static = True
-        self._last_unused: tuple[int, ...] | None = None
-        self._never_used: list[bool] | None = None  # static_graph: used on some rank in iteration 0
         self.retired = False  # replaced by a newer reducer of the same parameters
-        self.last_error: str | None = None  # torch's logging data reports it as "error"
-        self._init_tolerance(keep_local_grads)
-        self._reset_iteration()
+        self.current = BackwardPass(count, self.buckets)
+        self._output_hooks: list[Any] = []  # pre-hooks on the armed forward's output nodes
+        self._callback_queued = False
         self._grad_hooks = ownership.GradHooks(self, self.params)
         for previous in ownership.claim(self, self.params):
             previous.retire()
 
     # ------------------------------------------------------------------ lifecycle
-    def _reset_iteration(self) -> None:
-        n = len(self.params)
-        self._ready = [False] * n
-        self._static.reset()
-        self._marked_unused: set[int] = set()
-        self._pending = [len(b.params) for b in self.buckets.storages]
-        self._next_bucket = 0
-        self._results: list[Any] = []
-        self._errors: list[str | Exception] = []
-        self._known_unused = set()
-        self._divisor = self.fixed_divisor or float(self.world_size)
-        self.times = IterationTimes(len(self.buckets.storages))
+    def _begin_pass(self) -> None:
+        self.current = BackwardPass(len(self.params), self.buckets)
+        self.static.reset()
+        self.divisor.reset()
         self.buckets.begin_iteration()
 
-    def prepare_for_forward(self) -> None:
-        """Called before every grad-enabled forward: check the last backward, rebuild once."""
+    def before_forward(self) -> None:
+        """Before every grad-enabled forward: check the last backward finished; rebuild once."""
         if self.state is ReducerState.REDUCING:
             raise RuntimeError(errors.backward_never_finished(self.rank, self.iteration))
-        self._rebuild_buckets()
+        self.rebuild_once()
 
-    def prepare_for_backward(self, output: Any) -> None:
-        """After a synced forward: expect the next backward through ``output`` to reduce.
+    def arm(self, output: Any) -> None:
+        """After a synced forward: the next backward through ``output`` reduces.
 
-        Also torch's ``Reducer.prepare_for_backward(tensors)``, which frameworks call to arm a
-        backward whose forward ran unsynced (Lightning's manual optimization, Accelerate's
-        ``trigger_sync_in_backward``). With no tensors nothing tells which parameters the coming
-        backward uses; with ``find_unused_parameters`` those that report nothing by the end of it
-        count as unused.
+        Frameworks also arm a backward whose forward ran unsynced (torch's
+        ``prepare_for_backward``, see compat/torch_reducer.py); with no tensors in ``output``
+        nothing tells which parameters it uses, and with ``find_unused_parameters`` those that
+        report nothing by its end count as unused.
         """
-        for handle in self._output_hook_handles:
+        for handle in self._output_hooks:
             handle.remove()
         roots = graph.output_grad_fns(output)
-        self._output_hook_handles = [node.register_prehook(self._on_output_backward) for node in roots]
-        if self.find_unused and not self.static_graph and not roots:
-            self._forward_unused = None
-        elif self.find_unused and not self.static_graph:
-            reached = graph.reachable_leaves(roots)
-            unused = {i for i, p in enumerate(self.params) if id(p) not in reached}
-            # Several forwards before one backward: a parameter used by any of them is used.
-            if self.state is ReducerState.ARMED and self._forward_unused is not None:
-                unused &= self._forward_unused
-            self._forward_unused = unused
+        self._output_hooks = [node.register_prehook(self._on_output_backward) for node in roots]
+        if self.config.find_unused_parameters and not self.config.static_graph:
+            self.usage.search(roots, self.params, combine=self.state is ReducerState.ARMED)
         self.state = ReducerState.ARMED
         self.synced_forwards += 1
-        self._reset_iteration()
+        self._begin_pass()
 
-    def divide_by_active_ranks(self, still_active: Any) -> None:
-        """Average over the ranks still training (join), not the whole group."""
-        self._active_ranks_future = still_active
-
-    def _take_divisor(self) -> float:
-        if self._active_ranks_future is not None:
-            count = self._active_ranks_future.wait()
-            count = count[0] if isinstance(count, list) else count
-            self._divisor = float(count.item())
-            self._active_ranks_future = None
-        return self._divisor
-
-    def skip_backward(self) -> None:
-        """After a forward that must not sync (``no_sync`` or no grad)."""
+    def disarm(self) -> None:
+        """After a forward that must not sync (``no_sync``): its backward accumulates locally."""
         if self.state is ReducerState.ARMED:
             self.state = ReducerState.IDLE
+
+    @property
+    def reducing(self) -> bool:
+        """A synced backward is running: buckets are being launched."""
+        return self.state is ReducerState.REDUCING
+
+    def check_finalized(self) -> None:
+        if self.reducing:
+            raise RuntimeError(errors.backward_never_finished(self.rank, self.iteration))
+
+    def finalize_now(self) -> None:
+        """Inside a backward: finalize at once instead of at its end; after one: nothing left to do."""
+        if self.reducing:
+            self._finalize_callback()
 
     # ------------------------------------------------------------------ autograd side
     def _on_output_backward(self, grad_outputs: Any) -> None:
@@ -216,7 +193,7 @@ class Reducer(TorchReducerSurface, LaunchesBuckets, TolerantReduction, ReducerRe
             # A second backward through the same retained graph: reduce it as well, so
             # the gradients it adds are averaged too instead of silently local.
             self.state = ReducerState.ARMED
-            self._reset_iteration()
+            self._begin_pass()
         if self.state is ReducerState.ARMED:
             self._queue_finalize()
 
@@ -227,75 +204,112 @@ class Reducer(TorchReducerSurface, LaunchesBuckets, TolerantReduction, ReducerRe
 
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
         # The hot path: runs once per parameter per backward, so it stays flat.
-        self._used_since_sync[index] = True
+        self.usage.used_since_sync[index] = True
         state = self.state
         if state is not ReducerState.REDUCING:
             if state is not ReducerState.ARMED:
                 return  # no_sync, or a backward not through a synced forward's outputs
             self._begin_reduction()
-        if self.static_graph:
+        if self.config.static_graph:
             self._on_static_grad(index)
             return
-        ready = self._ready
+        current = self.current
+        ready = current.ready
         if ready[index]:
-            self._errors.append(self._twice_error(index))
+            current.errors.append(errors.gradient_in_pieces(self.names[index], self.rank, self.iteration))
             return
-        if self._rebuild.pending and self.iteration == 0:
-            self._rebuild.order.append(index)
+        if self.rebuild.pending and self.iteration == 0:
+            self.rebuild.order.append(index)
         ready[index] = True
         bucket = self.buckets.bucket_of[index]
-        pending = self._pending
+        pending = current.pending
         pending[bucket] -= 1
         if pending[bucket] == 0:
-            self.times.bucket_ready[bucket] = now()
-            if bucket == self._next_bucket:
+            current.times.bucket_ready[bucket] = now()
+            if bucket == current.next_bucket:
                 self._launch_ready_buckets()
 
     def _on_static_grad(self, index: int) -> None:
         """static_graph: count hook firings; a parameter is ready at its expected count."""
-        counts = self._static
+        counts = self.static
         counts.fired[index] += 1
         fired = counts.fired[index]
         if counts.expected is None:
             if fired == 1 and self.iteration == 0:
-                self._rebuild.order.append(index)
+                self.rebuild.order.append(index)
             return  # first static-graph iteration: everything is reduced at the end
         if fired == counts.expected[index]:
             self._mark_ready(index)
         elif fired > counts.expected[index]:
-            self._errors.append(self._static_graph_error(index))
+            self.current.errors.append(self._static_graph_error(index))
 
     def _begin_reduction(self) -> None:
         self.state = ReducerState.REDUCING
         self.phase = "backward"
-        self.times.backward_start = now()
+        self.current.times.backward_start = now()
         self._queue_finalize()
-        if not self._static.learning:
-            unused = self._static.unused
-        else:
-            unused = self._forward_unused or set()
-        self._known_unused = unused
+        unused = self.static.unused if not self.static.learning else (self.usage.forward_unused or set())
+        self.current.known_unused = unused
         for index in sorted(unused):
-            self._marked_unused.add(index)
+            self.current.marked_unused.add(index)
             self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
-        self._ready[index] = True
+        current = self.current
+        current.ready[index] = True
         bucket = self.buckets.bucket_of[index]
-        self._pending[bucket] -= 1
-        if self._pending[bucket] == 0:
-            self.times.bucket_ready[bucket] = now()
-            if bucket == self._next_bucket:
+        current.pending[bucket] -= 1
+        if current.pending[bucket] == 0:
+            current.times.bucket_ready[bucket] = now()
+            if bucket == current.next_bucket:
                 self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
-        pending = self._pending
+        current = self.current
+        pending = current.pending
         count = len(pending)
-        while self._next_bucket < count and pending[self._next_bucket] == 0:
-            self._launch(self._next_bucket)
-            self._next_bucket += 1
+        while current.next_bucket < count and pending[current.next_bucket] == 0:
+            self._launch(current.next_bucket)
+            current.next_bucket += 1
 
-    # ------------------------------------------------------------------ reduction
+    def _launch(self, b: int) -> None:
+        """Start bucket ``b``: its turn has come ([Note: launch order])."""
+        with label("gradsync::reduce_bucket"):
+            current = self.current
+            current.times.bucket_launch[b] = now()
+            storage = self.buckets.storages[b]
+            if self.tolerance.failures:
+                current.launched.append(None)  # fault-tolerant mode: this step failed, start nothing more
+                return
+            if self.desync is not None:
+                what = f"all-reduce of bucket {b}"
+                self.desync.check(Position(what, self.synced_forwards, storage.flat.numel(), str(storage.flat.dtype)))
+            known_unused = current.known_unused
+            if (
+                self.config.skip_all_reduce_unused_params
+                and known_unused
+                and known_unused.issuperset(storage.param_indices)
+            ):
+                current.launched.append(None)  # skip_all_reduce_unused_params: no collective, .grad untouched
+                return
+            started = self.reduction.start(self._launch_context(), b)
+            current.launched.append(started.pending)
+            current.errors.extend(started.errors)
+            if self.records.timeline is not None and started.pending is not None:
+                self.records.watch_completion(current.times, b, started.pending)
+
+    def _launch_context(self) -> LaunchContext:
+        return LaunchContext(
+            self.buckets,
+            self.divisor.take,
+            self.current.marked_unused,
+            self.names,
+            self.config.gradient_as_bucket_view,
+            self.rank,
+            self.iteration,
+        )
+
+    # ------------------------------------------------------------------ end of backward
     def _finalize_callback(self) -> None:
         self._callback_queued = False
         if self.state is not ReducerState.REDUCING:
@@ -307,78 +321,191 @@ class Reducer(TorchReducerSurface, LaunchesBuckets, TolerantReduction, ReducerRe
             self.state = ReducerState.FINALIZED
 
     def _finalize(self) -> None:
-        self.times.finalize_start = now()
+        current, config = self.current, self.config
+        current.times.finalize_start = now()
         self.phase = "the wait for gradient reductions at the end of backward"
-        first_static_iteration = self.static_graph and self._static.learning
+        first_static_iteration = config.static_graph and self.static.learning
         # Whether to agree on the used map must be the same on every rank, so it depends
         # on the synced iteration count, which joined ranks advance too.
-        agree_used = self.find_unused or (self.static_graph and self.iteration == 0)
-        ready = self._ready
+        agree_used = config.find_unused_parameters or (config.static_graph and self.iteration == 0)
+        ready = current.ready
         missing = [i for i, r in enumerate(ready) if not r] if False in ready else []  # C-speed common case
         if missing and not first_static_iteration:
-            if self._static.expected is not None:
-                self._errors.extend(self._static_graph_error(i) for i in missing if self._static.expected[i])
-            elif not self.find_unused:
-                self._errors.append(
-                    errors.unused_parameters([self.names[i] for i in missing], self.rank, self.iteration)
-                )
+            if self.static.expected is not None:
+                current.errors.extend(self._static_graph_error(i) for i in missing if self.static.expected[i])
+            elif not config.find_unused_parameters:
+                names = [self.names[i] for i in missing]
+                current.errors.append(errors.unused_parameters(names, self.rank, self.iteration))
         # Every bucket is launched, so every rank issues the same collectives even when
         # some parameters got no gradient here; their .grad (or zeros) is contributed.
         for index in missing:
-            self._marked_unused.add(index)
+            current.marked_unused.add(index)
             self._mark_ready(index)
-        finish_hook_launches(self.comm_hook_state)
-        globally_used = self._never_used  # static graph: parameters no rank used keep .grad None
+        self.reduction.end_of_pass()
+        globally_used = self.usage.never_used  # static graph: parameters no rank used keep .grad None
         if agree_used:
             globally_used = self._agree_on_used()
-        if self.keep_local:
-            self._wait_and_defer(globally_used)
+        if self.tolerance.enabled:
+            self.tolerance.wait_and_defer(self.buckets, current, self.reduction.name, globally_used)
         else:
             after = None if self.fused_optimizer is None else self._step_fused
-            self._errors.extend(
-                self.buckets.write_back(
-                    self._results, self.as_view, globally_used, self._marked_unused, self.hook_name, self.times, after
-                )
+            as_view = config.gradient_as_bucket_view
+            problems = self.reduction.finish(
+                self.buckets, current.launched, as_view, globally_used, current.marked_unused, current.times, after
             )
+            current.errors.extend(problems)
         # Every handle was waited for: let go of them now rather than at the next iteration, so
         # none outlives its process group at interpreter exit (a suspect, not proven, for a rare
         # "terminate called without an active exception" seen once at the exit of a 4-rank run).
-        self._results = []
+        current.launched = []
         if first_static_iteration:
-            self._static.learn()
-            if globally_used is not None:
-                never = [self.names[i] for i, used in enumerate(globally_used) if not used]
-                if never:
-                    self._never_used = list(globally_used)
-                    logger.info("static graph: parameters unused on every rank: %s", never)
-        self._used_since_sync = [False] * len(self.params)
-        self._record_iteration()
+            self._learn_static_graph(globally_used)
+        self.usage.end_synced_backward()
+        warn = config.find_unused_parameters and not config.static_graph
+        self.records.record(self.iteration, current, self.buckets, self.names, self.rank, warn)
         self.iteration += 1
-        if self._errors:
-            self._raise_errors()
+        if current.errors:
+            self._raise_errors(current.errors)
 
-    @property
-    def reducing(self) -> bool:
-        """A synced backward is running: buckets are being launched."""
-        return self.state is ReducerState.REDUCING
+    def _agree_on_used(self) -> list[bool] | None:
+        """Which parameters any rank used; None (local use) once a fault-tolerant step failed."""
+        if self.tolerance.failures:
+            return None
+        try:
+            used = self.usage.used_since_sync
+            return agree_on_used(used, self.process_group, self.buckets.device, self.desync, self.synced_forwards)
+        except RuntimeError as error:
+            if not self.tolerance.note(f"the used-parameter all-reduce failed: {error}"):
+                raise
+            return None
+
+    def _learn_static_graph(self, globally_used: list[bool] | None) -> None:
+        self.static.learn()
+        if globally_used is not None:
+            never = [self.names[i] for i, used in enumerate(globally_used) if not used]
+            if never:
+                self.usage.never_used = list(globally_used)
+                logger.info("static graph: parameters unused on every rank: %s", never)
 
     def _step_fused(self, b: int) -> None:
         self.fused_optimizer.step_bucket(self.buckets, b)  # [Note: stepping as buckets complete]
 
-    # ------------------------------------------------------------------ hooks
-    @property
-    def hook_name(self) -> str | None:
-        return None if self.comm_hook is None else launch.hook_name(self.comm_hook)
+    # ------------------------------------------------------------------ errors
+    def _raise_errors(self, problems: list[str | Exception]) -> None:
+        def describe(message: str) -> str:
+            return self.collective_failure_message(message, iteration=self.iteration - 1)
 
+        error = errors.backward_error(problems, describe)
+        self.records.last_error = str(error)
+        raise error
+
+    def collective_failure_message(self, detail: str, iteration: int | None = None) -> str:
+        """Where this rank was when a collective failed, and which ranks are gone."""
+        iteration = self.iteration if iteration is None else iteration
+        return errors.collective_failed(self.rank, f"{self.phase} of iteration {iteration}", detail)
+
+    def _static_graph_error(self, index: int) -> str:
+        return self.static.changed_error(self.names[index], index, self.rank, self.iteration)
+
+    # ------------------------------------------------------------------ buckets
+    @property
+    def rebuilt(self) -> bool:
+        return self.rebuild.done
+
+    def rebuild_once(self) -> bool:
+        """Rebuild the buckets once, after the first synced backward; True if this call did.
+
+        [Note: bucket rebuild] in rebuild.py. Every call after the rebuild is a no-op.
+        """
+        if not self.rebuild.due(self.iteration, self.reducing):
+            return False
+        self.phase = "the one-time bucket rebuild broadcast"
+        try:
+            order = self.rebuild.agreed_order(
+                self.process_group, self.buckets.device, self.desync, self.synced_forwards
+            )
+        except RuntimeError as error:
+            # fault-tolerant mode: the step is decided, and the buckets shipped, later
+            if self.tolerance.note(f"the bucket order broadcast failed: {error}"):
+                return False
+            raise RuntimeError(self.collective_failure_message(str(error))) from error
+        self.current.launched = []  # the last iteration's work handles still reference the old buffers
+        in_place = self.reduction.reduces_lone_in_place and not self.config.keep_local_grads
+        as_view = self.config.gradient_as_bucket_view
+        self.buckets = self.rebuild.apply(self.buckets, order, self.caps, as_view, in_place)
+        self._new_layout()
+        logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))
+        return True
+
+    def layout(self) -> dict[str, Any]:
+        """What ``adopt_layout`` needs to build these buckets on another rank."""
+        return {"order": list(self.buckets.order), "caps": list(self.caps), "rebuilt": self.rebuild.done}
+
+    def adopt_layout(self, order: list[int], caps: list[int], rebuilt: bool) -> None:
+        """Build the buckets another rank has ([Note: a joiner's buckets] in elastic/heal.py)."""
+        self.caps = list(caps)
+        as_view = self.config.gradient_as_bucket_view
+        self.buckets = self.buckets.rebuilt(order, self.caps, as_view, not self.config.keep_local_grads)
+        self.rebuild.adopt(rebuilt)
+        self._new_layout()
+
+    def _new_layout(self) -> None:
+        self._begin_pass()
+
+    # ------------------------------------------------------------------ other passes
+    def reduce_again(self) -> None:
+        """Reduce the local gradients again, over this reducer's (new) group; results deferred.
+
+        The fault-tolerant survivors' redo of a step that did not commit: every bucket is started
+        as backward would, from ``.grad`` (kept local by ``keep_local_grads``); a parameter
+        without a gradient contributes zeros.
+        """
+        self._begin_pass()
+        self.tolerance.failures = []
+        context = self._launch_context()
+        for b in range(len(self.buckets.storages)):
+            started = self.reduction.start(context, b)
+            self.current.launched.append(started.pending)
+            self.current.errors.extend(started.errors)
+        self.reduction.end_of_pass()
+        self.tolerance.wait_and_defer(self.buckets, self.current, self.reduction.name, None)
+        self.current.launched = []
+
+    def write_deferred(self) -> None:
+        """The fault-tolerant mode: write the committed step's averages to ``.grad``."""
+        self.tolerance.write_deferred(self.buckets, self.config.gradient_as_bucket_view, self.reduction.name)
+
+    def shadow_backward(self) -> None:
+        """A joined rank's part of one synced backward: every bucket, in order, with zeros."""
+        pending = [self.reduction.start_zeros(self.buckets, b) for b in range(len(self.buckets.storages))]
+        self.reduction.end_of_pass()
+        if self.config.find_unused_parameters or (self.config.static_graph and self.iteration == 0):
+            pending.append(shadow_used_map(len(self.params), self.process_group, self.buckets.device))
+        for work in pending:
+            work.wait()
+        self.iteration += 1
+
+    # ------------------------------------------------------------------ hooks and reports
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
-        self.comm_hook_state = state
-        self.comm_hook = hook
+        self.reduction = CommHookReduction(hook, state)
+
+    def stats(self) -> DDPStats:
+        return collect_stats(
+            self.records,
+            self.buckets,
+            self.names,
+            self.config,
+            self.rank,
+            self.world_size,
+            self.rebuild.done,
+            self.reduction.name,
+        )
 
     def remove_hooks(self) -> None:
         self._grad_hooks.remove()
-        for handle in self._output_hook_handles:
+        for handle in self._output_hooks:
             handle.remove()
-        self._output_hook_handles = []
+        self._output_hooks = []
 
     def retire(self) -> None:
         """A newer reducer took over these parameters ([Note: discarded wrappers] in ownership.py)."""

@@ -84,7 +84,7 @@ class BucketStorage:
             self.flat = allocate(total, dtype=dtype, device=params[0].device)
             self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
         self._data_ptr = self.flat.data_ptr()
-        # See [Note: one pass per gradient] in bucket_set.py. benchmarks/copy_in.py measured the
+        # See [Note: one pass per gradient] in bucket_set.py. benchmarks/studies/copy_in.py measured the
         # crossover at ~16K elements per gradient (one call each costs a second pass over that many).
         self.fuse_division = not sparse and total >= FUSE_DIVISION_MIN_NUMEL * len(params)
 

@@ -23,14 +23,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from .timing import IterationTimes
-
-if TYPE_CHECKING:
-    from ..ddp import DistributedDataParallel
 
 
 @dataclass
@@ -120,16 +117,24 @@ def write_png(per_rank_events: list[list[dict[str, Any]]], path: str) -> None:
     plt.close(fig)
 
 
+class Traceable(Protocol):
+    """What ``trace`` needs of a wrapper: its process group, and a place for the timeline."""
+
+    process_group: dist.ProcessGroup
+
+    def set_timeline(self, timeline: Timeline | None) -> None: ...
+
+
 @contextmanager
-def trace(ddp: DistributedDataParallel, path: str, png: str | None = None) -> Iterator[Timeline]:
+def trace(ddp: Traceable, path: str, png: str | None = None) -> Iterator[Timeline]:
     """Record every synced iteration inside the block; rank 0 writes ``path`` (and ``png``)."""
     group = ddp.process_group
     timeline = Timeline(rank=dist.get_rank(group))
-    ddp.reducer.timeline = timeline
+    ddp.set_timeline(timeline)
     try:
         yield timeline
     finally:
-        ddp.reducer.timeline = None
+        ddp.set_timeline(None)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, timeline.events, group=group)
     if dist.get_rank(group) == 0:

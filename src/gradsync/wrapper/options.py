@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine.buckets import bucket_caps_bytes
+from ..engine.config import ReducerConfig
+from . import synced
 
 
 def resolve_process_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
@@ -192,3 +194,35 @@ def check_reduce_dtype(
             f"the .grad of {other[:3]} (dtype {named_params[0][1].dtype}) cannot be a view of a {reduce_dtype} "
             "bucket. Pass gradient_as_bucket_view=False."
         )
+
+
+def reducer_config(
+    module: nn.Module,
+    named_params: list[tuple[str, nn.Parameter]],
+    caps: list[int],
+    delay_all_reduce_named_params: Any,
+    param_to_hook_all_reduce: Any,
+    reduce_dtype: torch.dtype | None,
+    *,
+    find_unused_parameters: bool,
+    gradient_as_bucket_view: bool,
+    static_graph: bool,
+    skip_all_reduce_unused_params: bool,
+) -> ReducerConfig:
+    """The reducer's settings, checked: sparse parameters, delayed ones, the buckets' dtype."""
+    sparse = synced.sparse_flags(module, named_params)
+    delayed, delay_after = resolve_delayed(
+        named_params, sparse, delay_all_reduce_named_params, param_to_hook_all_reduce
+    )
+    check_reduce_dtype(reduce_dtype, named_params, gradient_as_bucket_view)
+    return ReducerConfig(
+        sparse=tuple(sparse),
+        caps=tuple(caps),
+        find_unused_parameters=find_unused_parameters,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        static_graph=static_graph,
+        skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+        delayed=delayed,
+        delay_after=delay_after,
+        reduce_dtype=reduce_dtype,
+    )

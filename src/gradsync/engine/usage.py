@@ -1,0 +1,40 @@
+"""Which parameters a backward uses: the graph search's answer, what autograd reported, what all ranks agreed.
+
+[Note: unused parameters]
+With ``find_unused_parameters=True`` the reducer searches the autograd graph behind each synced
+forward's outputs; parameters it cannot reach are marked ready at the start of backward (their
+buckets need not wait for them). Whatever the setting, a parameter's hook records that it got a
+gradient since the last synced backward, and with ``find_unused_parameters`` (or in the first
+static-graph iteration) the ranks all-reduce that map at the end of backward: a parameter no rank
+used keeps its ``.grad`` as it was, as with torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import graph
+
+
+class ParameterUsage:
+    def __init__(self, count: int) -> None:
+        self.used_since_sync = [False] * count  # set by every parameter's hook (the hot path)
+        self.forward_unused: set[int] | None = None  # the graph search's answer for the armed forward
+        self.never_used: list[bool] | None = None  # static_graph: whether any rank used it in iteration 0
+
+    def search(self, roots: list[torch.autograd.graph.Node], params: list[torch.Tensor], combine: bool) -> None:
+        """The parameters the graph behind ``roots`` does not reach. With no roots nothing tells
+        which parameters the coming backward uses; those that report nothing then count as unused
+        at its end."""
+        if not roots:
+            self.forward_unused = None
+            return
+        reached = graph.reachable_leaves(roots)
+        unused = {i for i, p in enumerate(params) if id(p) not in reached}
+        # Several forwards before one backward: a parameter used by any of them is used.
+        if combine and self.forward_unused is not None:
+            unused &= self.forward_unused
+        self.forward_unused = unused
+
+    def end_synced_backward(self) -> None:
+        self.used_since_sync = [False] * len(self.used_since_sync)
