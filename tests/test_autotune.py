@@ -10,9 +10,9 @@ from torch import nn
 
 import gradsync.wrapper.data_parallel as ddp_module
 from gradsync import DistributedDataParallel as DDP
-from gradsync.wrapper.bucket_caps import ADAPT_MIN_BYTES, MIN_CAP, choose_cap, default_bucket_caps, default_caps_from
 from gradsync.engine.buckets import MIB
 from gradsync.hooks import AllReduceState, PowerSGDState, allreduce_hook, powersgd_hook
+from gradsync.wrapper.bucket_caps import ADAPT_MIN_BYTES, MIN_CAP, choose_cap, default_bucket_caps, default_caps_from
 
 from harness import run_distributed
 from models import assert_grads_close, global_batch, grads_of, loss_fn, make_model, rank_world, reference_step, shard

@@ -102,6 +102,37 @@ def test_stats_report_buckets_times_bytes_unused_and_hook() -> None:
     assert 0 <= stats.avg_exposed_comm_s <= stats.avg_backward_s
 
 
+def _stats_table() -> gradsync.DDPStats:
+    ddp = DDP(MLP(), bucket_cap_mb=1000 / 2**20)  # 5 buckets (see _trace), rebuilt after iteration 1
+    _train(ddp, 5)
+    return ddp.stats()
+
+
+def test_stats_print_as_a_table_and_serialise_as_a_dict() -> None:
+    stats = run_distributed(_stats_table, 2)[0]
+    assert len(stats.buckets) == 5 and stats.buckets_rebuilt
+    # Counted since the rebuild: iterations 2-5 ran on these buckets, each bucket reduced once per iteration.
+    assert [b.launches for b in stats.buckets] == [4] * 5
+    assert all(b.avg_reduce_s > 0 for b in stats.buckets)
+    table = str(stats)
+    lines = table.splitlines()
+    assert lines[0].startswith("gradsync DDP, rank 0 of 2: 5 synced iteration(s), 5 bucket(s) rebuilt")
+    rows = [line.split() for line in lines if line.split() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(5))
+    # size, parameter count and launches against the model's own sizes: 4 hidden weights, the rest together
+    assert sorted(" ".join(r[1:3]) for r in rows) == sorted(["1.0 KiB"] * 4 + [f"{256 + 16 + 4 * 64} B"]), table
+    assert sorted(int(r[3]) for r in rows) == [1, 1, 1, 1, 6] and all(r[5] == "4" for r in rows)
+    total = next(line for line in lines if line.split()[:1] == ["total"])
+    assert total.split()[1:4] == [f"{MLP_PARAM_BYTES / 1024:.1f}", "KiB", "10"]
+    exposed = next(line for line in lines if "exposed communication" in line)
+    assert f"{100 * stats.avg_exposed_comm_s / stats.avg_backward_s:.0f}% of backward" in exposed
+    assert len(max(lines, key=len)) < 160, "one line per row, not one long repr"
+    values = stats.as_dict()
+    assert json.loads(json.dumps(values)) == values  # plain values a logger can take
+    assert values["buckets"][0]["launches"] == 4 and values["iterations"] == 5
+    assert values["exposed_comm_share"] == pytest.approx(stats.avg_exposed_comm_s / stats.avg_backward_s)
+
+
 def _divergence(perturb: bool) -> str:
     rank, _ = rank_world()
     model = MLP()

@@ -19,8 +19,9 @@ from .config import ReducerConfig
 class Records:
     """Running sums, the timeline while tracing, whether the graph stayed static, the last error."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_buckets: int) -> None:
         self.running = RunningStats()
+        self.running.new_layout(num_buckets)
         self.timeline: Timeline | None = None  # set by gradsync.trace for the duration of its block
         # torch's can_set_static_graph: the same parameters unused in every synced iteration so far.
         self.graph_static = True
@@ -67,6 +68,7 @@ def collect_stats(
     hook_name: str | None,
 ) -> DDPStats:
     running = records.running
+    launches, seconds = running.bucket_launches, running.bucket_s
     infos = tuple(
         BucketInfo(
             index=b,
@@ -75,6 +77,8 @@ def collect_stats(
             dtype=str(storage.params[0].dtype),
             parameter_names=tuple(names[i] for i in storage.param_indices),
             sparse=storage.sparse,
+            launches=launches[b] if b < len(launches) else 0,
+            avg_reduce_s=seconds[b] / launches[b] if b < len(launches) and launches[b] else 0.0,
         )
         for b, storage in enumerate(buckets.storages)
     )

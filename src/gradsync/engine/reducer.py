@@ -123,7 +123,7 @@ class Reducer:
         self.static = StaticGraphCounts(count)
         self.rebuild = BucketRebuild(count, enabled=config.static_graph or not config.find_unused_parameters)
         self.divisor = Divisor(self.world_size)
-        self.records = Records()
+        self.records = Records(len(self.buckets.storages))
         self.tolerance = Tolerance(config.keep_local_grads)
         self.state = ReducerState.IDLE
         self.iteration = 0  # synced backwards finalized so far
@@ -450,6 +450,7 @@ class Reducer:
         self._new_layout()
 
     def _new_layout(self) -> None:
+        self.records.running.new_layout(len(self.buckets.storages))
         self._begin_pass()
 
     # ------------------------------------------------------------------ other passes

@@ -49,7 +49,11 @@ class IterationTimes:
 
 @dataclass
 class RunningStats:
-    """Sums over iterations; ``DDPStats`` divides them."""
+    """Sums over iterations; ``DDPStats`` reports their averages.
+
+    The per-bucket sums cover the buckets as they are now: they start over when the buckets are
+    built again (the rebuild after the first iteration, a new process group).
+    """
 
     iterations: int = 0
     forward_s: float = 0.0
@@ -59,6 +63,12 @@ class RunningStats:
     buffer_sync_s: float = 0.0
     total_bytes: int = 0
     last_unused: tuple[str, ...] = ()
+    bucket_launches: list[int] = field(default_factory=list)  # reductions completed, per bucket
+    bucket_s: list[float] = field(default_factory=list)  # summed launch -> completion seen, per bucket
+
+    def new_layout(self, num_buckets: int) -> None:
+        self.bucket_launches = [0] * num_buckets
+        self.bucket_s = [0.0] * num_buckets
 
     def add(self, times: IterationTimes, nbytes: int, unused: tuple[str, ...]) -> None:
         self.iterations += 1
@@ -70,6 +80,12 @@ class RunningStats:
         self.buffer_sync_s += times.buffer_sync_end - times.buffer_sync_start
         self.total_bytes += nbytes
         self.last_unused = unused
+        if len(self.bucket_launches) != times.num_buckets:
+            self.new_layout(times.num_buckets)
+        for b, (launch, done) in enumerate(zip(times.bucket_launch, times.bucket_done)):
+            if done:  # a bucket skipped (unused, or after a failure) has a launch time but no completion
+                self.bucket_launches[b] += 1
+                self.bucket_s[b] += max(done - launch, 0.0)
 
     def average(self, total: float) -> float:
         return total / self.iterations if self.iterations else 0.0
