@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -101,10 +104,15 @@ def _constructor_validation() -> None:
     for exc_type, text, build in cases:
         with pytest.raises(exc_type, match=text):
             build()
-    with pytest.warns(FutureWarning, match="check_reduction"):
+    # Both deprecations point at the line that built the wrapper (the caller's), as warnings should.
+    with pytest.warns(FutureWarning, match="check_reduction") as caught:
+        line = inspect.currentframe().f_lineno + 1
         DDP(MLP(), check_reduction=True)
-    with pytest.warns(FutureWarning, match="broadcast_buffers is deprecated"):
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+    with pytest.warns(FutureWarning, match="broadcast_buffers is deprecated") as caught:
+        line = inspect.currentframe().f_lineno + 1
         DDP(MLP(), broadcast_buffers=True)
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DDP(MLP())  # the defaults warn about nothing
@@ -112,6 +120,32 @@ def _constructor_validation() -> None:
 
 def test_constructor_validation() -> None:
     run_distributed(_constructor_validation, 2)
+
+
+_WRAP_BEFORE_INIT = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from gradsync import DistributedDataParallel as DDP
+for cls in (TorchDDP, DDP):
+    try:
+        cls(torch.nn.Linear(2, 2))
+    except Exception as error:
+        print(cls.__module__, type(error).__name__, str(error).replace(chr(10), " "))
+"""
+
+
+def test_wrapping_before_init_process_group_raises_torch_s_error() -> None:
+    """Same class and leading wording as torch's DDP (which code matches on), then gradsync's fix."""
+    out = subprocess.run([sys.executable, "-c", _WRAP_BEFORE_INIT], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr
+    torch_module, torch_type, torch_text = lines[0].split(" ", 2)
+    ours_module, ours_type, ours_text = lines[1].split(" ", 2)
+    assert torch_module.startswith("torch.") and ours_module == "gradsync.ddp"
+    assert ours_type == torch_type == "ValueError"
+    assert torch_text.startswith("Default process group has not been initialized, please make sure to call")
+    assert ours_text.startswith(torch_text.rstrip("."))
+    assert "init_process_group() (torchrun sets the environment for it) before wrapping" in ours_text
 
 
 def _requires_grad_toggled() -> str:

@@ -32,9 +32,10 @@ def resolve_process_group(process_group: Any, device_mesh: Any) -> dist.ProcessG
             )
         return device_mesh.get_group(mesh_dim=0)
     if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialized. Call torch.distributed.init_process_group() "
-            "(torchrun sets the environment for it) before wrapping the model."
+        raise ValueError(
+            "Default process group has not been initialized, please make sure to call init_process_group. "
+            "Call torch.distributed.init_process_group() (torchrun sets the environment for it) before "
+            "wrapping the model in DistributedDataParallel."
         )
     return process_group if process_group is not None else dist.group.WORLD
 
@@ -116,7 +117,7 @@ def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bo
             "broadcast_buffers is deprecated (as in torch 2.13); use forward_sync_buffers to control "
             "the per-forward buffer sync. broadcast_buffers=False also skips the sync at construction.",
             FutureWarning,
-            stacklevel=4,
+            stacklevel=3,  # the user's DistributedDataParallel(...) line: warn, this helper, __init__
         )
     init_sync_buffers = broadcast_buffers is not False
     if forward_sync_buffers is not None:
@@ -144,7 +145,7 @@ def warn_deprecated(check_reduction: bool) -> None:
         warnings.warn(
             "check_reduction is deprecated and has no effect; gradsync always checks that every parameter was reduced.",
             FutureWarning,
-            stacklevel=4,
+            stacklevel=3,  # the user's DistributedDataParallel(...) line: warn, this helper, __init__
         )
 
 
