@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src
 
 bench: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 benchmarks/bench_iteration.py
+	$(PY) -m benchmarks iteration
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,4 +1,4 @@
-"""benchmarks/link.py: the shaped-link namespace is created and removed on every exit path, and
+"""benchmarks/lib/link.py: the shaped-link namespace is created and removed on every exit path, and
 every benchmark contender still produces identical replicas on a shaped link."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks is a package at the repository root, not installed
 
-import link  # noqa: E402
+from benchmarks.lib import link  # noqa: E402
 
 MISSING = link.missing()
 needs_link = pytest.mark.skipif(MISSING is not None, reason=f"a shaped link {MISSING}")
@@ -83,8 +83,8 @@ def test_namespace_is_shaped_and_removed_even_on_error() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_run_removes_its_namespace_and_its_processes(sig: signal.Signals) -> None:
     # An unusual duration, so that no other ``sleep`` on the machine is taken for the child.
-    code = "import link; link.run_inside('1gbit', ['sleep', '117.25'])"
-    runner = subprocess.Popen([sys.executable, "-c", code], cwd=BENCHMARKS)
+    code = "from benchmarks.lib import link; link.run_inside('1gbit', ['sleep', '117.25'])"
+    runner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
     prefix = f"gs-bench-{runner.pid}-"
     deadline = time.monotonic() + 20
     while not any(n.startswith(prefix) for n in _namespaces()):

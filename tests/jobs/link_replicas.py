@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the benchmarks package
 
-import contenders  # noqa: E402
-import link  # noqa: E402
-from common import train_step  # noqa: E402
-from workloads import WORKLOADS  # noqa: E402
+from benchmarks.lib import contenders, link  # noqa: E402
+from benchmarks.lib.common import train_step  # noqa: E402
+from benchmarks.lib.workloads import WORKLOADS  # noqa: E402
 
 # no_comm trains each rank alone on purpose: its replicas are meant to differ.
 COMMUNICATING = [name for name in contenders.CONTENDERS if name != "no_comm"]

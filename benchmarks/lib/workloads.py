@@ -1,6 +1,6 @@
 """The benchmark workloads: a model, a synthetic batch and a loss, all from fixed seeds.
 
-Shared by ``bench_iteration.py``, ``suite.py`` and ``hooks_bench.py``. Each workload
+Shared by the studies (``iteration``, ``suite``, ``hooks``, ``ab``, ``elastic``, ...). Each workload
 stresses one thing:
 
 - ``mlp_many_small``: hundreds of tiny parameters, so per-parameter overhead (hooks,

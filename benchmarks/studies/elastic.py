@@ -1,7 +1,11 @@
 """What the fault-tolerant mode costs, and how fast it recovers (issue #14's numbers).
 
-    python benchmarks/elastic_bench.py overhead   # per-step cost when nothing fails, per workload
-    python benchmarks/elastic_bench.py recovery   # kill -> next committed step, and heal time, per model size
+    python -m benchmarks elastic overhead   # per-step cost when nothing fails, per workload
+    python -m benchmarks elastic recovery   # kill -> next committed step, and heal time, per model size
+    python -m benchmarks elastic all        # both
+
+from the repository root; exactly ``python -m benchmarks.studies.elastic overhead`` and so on. The study
+starts its replicas itself, as ``python -m benchmarks.studies.elastic _overhead ...`` / ``_recovery ...``.
 
 ``overhead``: two ranks train each workload twice over, in the same processes, interleaved
 block by block: a plain gradsync DDP, and a second copy wrapped in ``elastic.FaultTolerant``
@@ -34,29 +38,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gradsync import DistributedDataParallel as DDP  # noqa: E402
-from gradsync import elastic  # noqa: E402
-
-import common  # noqa: E402
-from workloads import WORKLOADS  # noqa: E402
-
-HERE = Path(__file__).resolve()
+from benchmarks.lib import common, launch
+from benchmarks.lib.workloads import WORKLOADS
+from gradsync import DistributedDataParallel as DDP
+from gradsync import elastic
 
 
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     out = log.open("w")
-    return subprocess.Popen([sys.executable, str(HERE), *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+    command = launch.python_m(launch.main_module(), args)  # this study, as a replica
+    return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def _env(store: dist.TCPStore, replicas: int) -> dict[str, str]:
-    return {
-        **os.environ,
-        "GRADSYNC_STORE": f"127.0.0.1:{store.port}",
-        "GRADSYNC_REPLICAS": str(replicas),
-        "GRADSYNC_RUN_ID": uuid.uuid4().hex[:8],
-        "OMP_NUM_THREADS": "1",
-    }
+    return launch.env(
+        GRADSYNC_STORE=f"127.0.0.1:{store.port}",
+        GRADSYNC_REPLICAS=str(replicas),
+        GRADSYNC_RUN_ID=uuid.uuid4().hex[:8],
+        OMP_NUM_THREADS="1",
+    )
 
 
 # ---------------------------------------------------------------------- overhead
@@ -236,7 +236,7 @@ def main() -> None:
     parser.add_argument("--widths", default="512,1448,2896", help="MLP widths: 1 M, 8 M, 34 M parameters")
     args = parser.parse_args()
     lines = [f"# Fault-tolerant mode: cost and recovery ({common.today()})", ""]
-    lines += [f"Command: `python benchmarks/elastic_bench.py {' '.join(sys.argv[1:])}`", ""]
+    lines += [f"Command: `{launch.command_line()}`", ""]
     machine = f"- torch {torch.__version__}, {os.cpu_count()} CPU cores, gloo on loopback, load: {common.loadavg()}"
     lines += [machine, ""]
     if args.what in ("overhead", "all"):

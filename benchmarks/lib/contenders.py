@@ -14,10 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.lib.common import TORCH_DDP
 from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync.naive import NaiveDataParallel
-
-from common import TORCH_DDP
 
 Cap = Any  # MiB as a number, "auto", or (first bucket's MiB, the others' MiB)
 

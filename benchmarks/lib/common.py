@@ -1,4 +1,4 @@
-"""What every benchmark script shares: interleaved timing, summaries, and the report header.
+"""What every study shares: interleaved timing, summaries, and the report header.
 
 [Note: how an iteration is timed]
 A contender is anything with a ``step(i)`` that runs one iteration. Contenders run in
@@ -32,14 +32,13 @@ import torch
 import torch.distributed as dist
 
 import gradsync
+from benchmarks.lib import link
 from gradsync.ddp import TorchDDP as TORCH_DDP  # noqa: F401 - torch's own class, even under GRADSYNC_INSTALL=1
-
-import link
 
 # GRADSYNC_BENCH_RESULTS redirects scratch runs, so they do not overwrite a kept report.
 BOOTSTRAP_RESAMPLES = 2000
-RESULTS_DIR = Path(os.environ.get("GRADSYNC_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
-REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(os.environ.get("GRADSYNC_BENCH_RESULTS", Path(__file__).resolve().parents[1] / "results"))
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------- timing

@@ -45,7 +45,7 @@ from gradsync.engine.reducer import Reducer
 # (owner, attribute, section); owner is patched for the duration of the measurement.
 PATCHES: list[tuple[Any, str, str]] = [
     (GradsyncDDP, "forward", "DDP.forward (checks, buffer sync, graph hooks)"),
-    (Reducer, "prepare_for_backward", "Reducer.prepare_for_backward (output hooks)"),
+    (Reducer, "arm", "Reducer.arm (output hooks, after a synced forward)"),
     (Reducer, "_on_output_backward", "Reducer._on_output_backward (once per backward)"),
     (Reducer, "_on_grad_accumulated", "Reducer._on_grad_accumulated (per parameter)"),
     (Reducer, "_launch", "Reducer._launch (per bucket: copy in, start all-reduce)"),

@@ -1,24 +1,29 @@
 """The benchmark suite: gradsync against torch's DDP, no communication, one flat all-reduce and the naive version.
 
-Run (about 7 minutes on a quiet 2-core machine; it waits for other processes to idle):
+Run from the repository root (about 7 minutes on a quiet 2-core machine; it waits for other
+processes to idle):
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/suite.py
-    python benchmarks/suite.py --link 1gbit    # on a shaped link (root; link.py)
+    python -m benchmarks suite
+    python -m benchmarks suite --link 1gbit    # on a shaped link (root; lib/link.py)
 
-Per workload (``workloads.py``: ``mlp_many_small``, ``cnn_bn``, ``transformer``,
+The first is exactly ``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m benchmarks.studies.suite``;
+with ``--link`` it is ``python -m benchmarks.studies.suite --link 1gbit``, which starts torchrun
+inside the namespace itself.
+
+Per workload (``lib/workloads.py``: ``mlp_many_small``, ``cnn_bn``, ``transformer``,
 ``large_grad``), synthetic data, fixed seeds, after waiting until other processes leave
-the CPUs alone (common.py's ``wait_for_quiet``; ``--no-wait-for-quiet`` skips that):
+the CPUs alone (lib/common.py's ``wait_for_quiet``; ``--no-wait-for-quiet`` skips that):
 
 1. A short sweep of gradsync with ``gradient_as_bucket_view=True`` over bucket caps
    (``--caps``, plus ``"auto"`` when this gradsync accepts it); the fastest median is
    ``gradsync_best``.
-2. The contenders of ``contenders.py``, interleaved over rounds (see common.py's
+2. The contenders of ``lib/contenders.py``, interleaved over rounds (see lib/common.py's
    [Note: how an iteration is timed]): median and p90 iteration time, the ratio to torch
    DDP's default, and the exposed communication (median minus the ``no_comm`` median).
    On ``large_grad`` a raw ``dist.all_reduce`` of one flat buffer of the gradient's size
    runs in the same rounds: the bandwidth limit of this machine.
-3. On ``mlp_many_small``: Python time spent in gradsync per parameter (``overhead.py``).
-4. Peak RSS per rank, each contender in fresh processes (``rss.py``).
+3. On ``mlp_many_small``: Python time spent in gradsync per parameter (``lib/overhead.py``).
+4. Peak RSS per rank, each contender in fresh processes (``lib/rss.py``).
 
 Rank 0 writes ``benchmarks/results/YYYY-MM-DD-suite.md`` and ``-suite.png`` (ratios).
 ``--rss-only CONTENDER --workloads W [--cap MIB]`` measures one contender's peak RSS.
@@ -29,7 +34,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,11 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import contenders
-import link
-import overhead
-import rss
-from common import (
+from benchmarks.lib import contenders, launch, link, overhead, rss
+from benchmarks.lib.common import (
     Contender,
     MachineLoad,
     environment_lines,
@@ -55,10 +56,9 @@ from common import (
     train_step,
     wait_for_quiet,
 )
-from contenders import CONTENDERS, Cap
-from workloads import WORKLOADS, Workload, gradient_size
+from benchmarks.lib.contenders import CONTENDERS, Cap
+from benchmarks.lib.workloads import WORKLOADS, Workload, gradient_size
 
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/suite.py"
 BATCHES_PER_RANK = 4  # distinct batches cycled through
 RAW = "raw_allreduce"
 FORWARD = "forward_only"
@@ -366,9 +366,7 @@ def write_chart(results: dict[str, WorkloadResult], path: Path) -> None:
 
 
 def write_report(results: dict[str, WorkloadResult], memory: Any, over: Any, load: MachineLoad, args: Any) -> Path:
-    command = " ".join([COMMAND, *sys.argv[1:]])  # the exact invocation, options included
-    if link.current() is not None:  # started as python, which started torchrun inside the namespace
-        command = " ".join(["python benchmarks/suite.py", *sys.argv[1:]])
+    command = launch.command_line()  # the exact invocation, options included
     lines = [f"# Benchmark suite: gradsync vs torch DDP ({today()})", "", *environment_lines(command)]
     lines += [
         f"- machine load over all workloads: {load.describe()}; before each workload the suite waits until "
@@ -456,7 +454,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cap", type=parse_cap, default=None, help="bucket_cap_mb for --rss-only gradsync_best")
     parser.add_argument(
         "--link",
-        help="rate of a shaped loopback link (1gbit, 10gbit, ...): start with python, not torchrun (see link.py)",
+        help="rate of a shaped loopback link (1gbit, 10gbit, ...): start with python, not torchrun (see lib/link.py)",
     )
     return parser.parse_args()
 
@@ -495,7 +493,7 @@ def main() -> None:
     if not args.skip_rss:
         tuned = ("gradsync_best", "gradsync_fused")
         jobs = [(w, c, results[w].best_cap if c in tuned else None) for w in results for c in CONTENDERS]
-        memory = rss.spawn_all(jobs, Path(__file__).resolve())
+        memory = rss.spawn_all(jobs, launch.main_module())
     if dist.get_rank() == 0:
         path = write_report(results, memory, over, load, args)
         print(path.read_text())

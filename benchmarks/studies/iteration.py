@@ -1,8 +1,10 @@
 """Time one training iteration: gradsync's DDP against torch's DDP and against no communication.
 
-Run (what ``make bench`` does):
+Run from the repository root (what ``make bench`` does):
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_iteration.py
+    python -m benchmarks iteration
+
+which is exactly ``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m benchmarks.studies.iteration``.
 
 An iteration is zero_grad, forward, loss, backward, optimizer step. Three contenders
 start from the same weights: ``gradsync`` (gradsync's DDP, default arguments),
@@ -11,9 +13,9 @@ start from the same weights: ``gradsync`` (gradsync's DDP, default arguments),
 contender's time above it is communication the backward pass did not hide.
 
 Contenders run interleaved (A B C, B C A, ...) in rounds, so drift (thermal, other load)
-hits them all alike (see common.py). An iteration's time is the slowest rank's, since a step is only
+hits them all alike (see lib/common.py). An iteration's time is the slowest rank's, since a step is only
 done when every rank is. Rank 0 writes ``benchmarks/results/YYYY-MM-DD-iteration.md``. The workloads live in
-``workloads.py``; ``suite.py`` runs all of them against more contenders.
+``lib/workloads.py``; the ``suite`` study runs all of them against more contenders.
 """
 
 from __future__ import annotations
@@ -33,15 +35,15 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
+from benchmarks.lib import launch
+from benchmarks.lib.common import TORCH_DDP, Contender, interleave, report_path, revision, summarise, train_step
+from benchmarks.lib.workloads import WORKLOADS as ALL_WORKLOADS
+from benchmarks.lib.workloads import Workload, gradient_size
 from gradsync import DistributedDataParallel as GradsyncDDP
-
-from common import TORCH_DDP, Contender, interleave, report_path, revision, summarise, train_step
-from workloads import WORKLOADS as ALL_WORKLOADS
-from workloads import Workload, gradient_size
 
 BATCHES_PER_RANK = 4  # distinct batches cycled through, so no iteration sees stale caches only
 CONTENDERS = ("gradsync", "torch_ddp", "no_comm")
-WORKLOADS = {name: ALL_WORKLOADS[name] for name in ("mlp_many_small", "cnn_bn")}  # the full set: suite.py
+WORKLOADS = {name: ALL_WORKLOADS[name] for name in ("mlp_many_small", "cnn_bn")}  # the full set: the suite
 
 
 # ---------------------------------------------------------------------- measurement
@@ -100,7 +102,7 @@ def write_report(results: dict[str, dict[str, list[float]]], args: argparse.Name
     lines = [
         f"# Iteration time: gradsync vs torch DDP ({today})",
         "",
-        "Command: `OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/bench_iteration.py`",
+        f"Command: `{launch.command_line()}`",
         "",
         f"- torch {torch.__version__}, Python {platform.python_version()}, gradsync {gradsync.__version__} "
         f"(commit {revision()})",

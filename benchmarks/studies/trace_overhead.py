@@ -1,8 +1,10 @@
 """Cost of gradsync's observability: tracing off vs on, desync mode, divergence checks.
 
-Command::
+Run from the repository root::
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/trace_overhead.py
+    python -m benchmarks trace_overhead
+
+which is exactly ``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m benchmarks.studies.trace_overhead``.
 
 Four settings of one gradsync DDP on ``mlp_many_small`` (200 x Linear(64, 64), 400
 parameter tensors), measured interleaved over rounds: plain, inside ``gradsync.trace``,
@@ -12,6 +14,7 @@ with ``enable_divergence_check(every=100)``, and in desync mode. Rank 0 writes
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import statistics
@@ -23,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
+from benchmarks.lib import launch
+from benchmarks.lib.common import report_path
 from gradsync import DistributedDataParallel as DDP
 
 ROUNDS, ITERS = 7, 20
@@ -50,6 +55,7 @@ def timed(ddp: DDP, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -75,7 +81,7 @@ def main() -> None:
         lines = [
             f"# Cost of observability ({datetime.date.today()})",
             "",
-            "Command: `OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/trace_overhead.py`",
+            f"Command: `{launch.command_line()}`",
             "",
             f"- torch {torch.__version__}, world size {dist.get_world_size()}, gloo, CPU, 1 thread per rank",
             f"- mlp_many_small (400 parameter tensors), {ROUNDS} rounds x {ITERS} iterations, interleaved",
@@ -87,9 +93,8 @@ def main() -> None:
         for name, values in times.items():
             median = statistics.median(values)
             lines.append(f"| {name} | {median:.2f} | {median / base:.3f} |")
-        path = os.path.join(os.path.dirname(__file__), "results", f"{datetime.date.today()}-observability.md")
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        path = report_path("observability")  # results/YYYY-MM-DD-observability.md, or GRADSYNC_BENCH_RESULTS
+        path.write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
     dist.destroy_process_group()
 

@@ -1,12 +1,16 @@
 """Step time against link rate, per contender, with the exact-reducer bound drawn.
 
-    python benchmarks/link_chart.py --workload transformer --out results/DATE-link-transformer.png \\
-        results/DATE-suite-1gbit.md results/DATE-suite-10gbit.md results/DATE-suite.md
+Run from the repository root (single process, a few seconds):
 
-Reads suite reports (suite.py, one per link: ``--link 1gbit``, ``--link 10gbit``, plain loopback)
-and plots each contender's median iteration time on the workload against the link's rate, with
-the bound ``max(no_comm, forward + flat all-reduce)`` of each report's "Distance to the limit"
-table. Plain loopback is drawn at the right end, labelled "loopback".
+    python -m benchmarks link_chart --workload transformer --out benchmarks/results/DATE-link-transformer.png \\
+        benchmarks/results/DATE-suite-1gbit.md benchmarks/results/DATE-suite-10gbit.md \\
+        benchmarks/results/DATE-suite.md
+
+which is exactly ``python -m benchmarks.studies.link_chart ...``. Reads suite reports (the ``suite``
+study, one per link: ``--link 1gbit``, ``--link 10gbit``, plain loopback) and plots each
+contender's median iteration time on the workload against the link's rate, with the bound
+``max(no_comm, forward + flat all-reduce)`` of each report's "Distance to the limit" table.
+Plain loopback is drawn at the right end, labelled "loopback".
 """
 
 from __future__ import annotations

@@ -1,12 +1,18 @@
 """Communication hooks on a communication-bound model: bytes on the wire and iteration time.
 
-Run (about 3 minutes on a 2-core machine; wait until the machine is otherwise idle):
+Run from the repository root (about 3 minutes on a 2-core machine; wait until the machine is
+otherwise idle):
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/hooks_bench.py
+    python -m benchmarks hooks
+    python -m benchmarks hooks --link 1gbit --workload transformer   # network-bound (root; lib/link.py)
 
-The model is ``large_grad`` from ``workloads.py`` (~50 M parameters, batch 4: little
+The first is exactly ``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m benchmarks.studies.hooks``;
+with ``--link`` it is ``python -m benchmarks.studies.hooks --link 1gbit ...``, which starts
+torchrun inside the namespace itself.
+
+The model is ``large_grad`` from ``lib/workloads.py`` (~50 M parameters, batch 4: little
 compute, 200 MiB of gradients). Hooks are compared in groups, each group's contenders
-interleaved over rounds (common.py's [Note: how an iteration is timed]) with the
+interleaved over rounds (lib/common.py's [Note: how an iteration is timed]) with the
 no-communication step (the floor every ratio is taken to, measured in the same rounds) and
 freed before the next group, so at most four model copies live at once:
 
@@ -31,7 +37,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,11 +46,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook, quantization_hooks
 
-from gradsync import DistributedDataParallel as GradsyncDDP
-from gradsync import hooks
-
-import link
-from common import (
+from benchmarks.lib import launch, link
+from benchmarks.lib.common import (
     TORCH_DDP,
     Contender,
     MachineLoad,
@@ -58,10 +60,10 @@ from common import (
     today,
     train_step,
 )
-from workloads import WORKLOADS
+from benchmarks.lib.workloads import WORKLOADS
+from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync import hooks
 
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/hooks_bench.py"
-SHAPED_COMMAND = "python benchmarks/hooks_bench.py"  # --link: it starts torchrun inside the namespace
 WORKLOAD = WORKLOADS["large_grad"]  # --workload replaces it (transformer on a shaped link)
 ONE_BUCKET_MB = 1024  # above the model's 192 MiB of gradients: every parameter in one bucket
 
@@ -321,7 +323,7 @@ def write_report(rows: list[Row], probes: dict[str, str], load: MachineLoad, arg
     lines = [
         f"# Communication hooks: bytes on the wire and iteration time ({today()})",
         "",
-        *environment_lines(" ".join([SHAPED_COMMAND if link.current() else COMMAND, *sys.argv[1:]])),
+        *environment_lines(launch.command_line()),
     ]
     lines += [
         f"- machine load: {load.describe()}",
@@ -362,7 +364,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workload", choices=list(WORKLOADS), default="large_grad")
     parser.add_argument(
         "--link",
-        help="rate of a shaped loopback link (1gbit, 10gbit, ...): start with python, not torchrun (see link.py)",
+        help="rate of a shaped loopback link (1gbit, 10gbit, ...): start with python, not torchrun (see lib/link.py)",
     )
     return parser.parse_args()
 

@@ -1,9 +1,13 @@
 """Compression on a real task: does a comm hook keep the accuracy, and what does a step cost?
 
-Run (about 2 minutes; on a shaped link, as root):
+Run from the repository root (about 2 minutes; on a shaped link, as root):
 
-    python benchmarks/compression_task.py --link 1gbit
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/compression_task.py   # loopback
+    python -m benchmarks compression_task --link 1gbit
+    python -m benchmarks compression_task   # loopback
+
+The first is exactly ``python -m benchmarks.studies.compression_task --link 1gbit`` (it starts torchrun
+inside the namespace itself), the second
+``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m benchmarks.studies.compression_task``.
 
 The task is scikit-learn's handwritten digits (shipped with the package: no download), the
 demo's data (examples/train_digits.py), with a wider MLP (64-512-512-10, 0.30 M parameters) so
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,13 +40,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from benchmarks.lib import launch, link
+from benchmarks.lib.common import TORCH_DDP, environment_lines, report_path, today
 from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync import hooks
 
-import link
-from common import TORCH_DDP, environment_lines, report_path, today
-
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/compression_task.py"
 SEED, LR, MOMENTUM, BATCH = 0, 0.05, 0.9, 32
 START_ITER = 10
 TorchDDP = TORCH_DDP  # torch's own class, even under GRADSYNC_INSTALL=1
@@ -145,7 +146,7 @@ def train(name: str, train_set: TensorDataset, test_set: TensorDataset, epochs: 
 def write_report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     reference = results["torch DDP default"]
     chart = report_path("compression-task", "png")
-    command = " ".join(["python benchmarks/compression_task.py" if link.current() else COMMAND, *sys.argv[1:]])
+    command = launch.command_line()
     lines = [
         f"# Compression on a real task: digits, {args.epochs} epochs ({today()})",
         "",
@@ -197,7 +198,7 @@ def _chart(results: dict[str, dict[str, Any]], path: Any) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--link", help="rate of a shaped loopback link (1gbit, ...): start with python (link.py)")
+    parser.add_argument("--link", help="rate of a shaped loopback link (1gbit, ...): start with python (lib/link.py)")
     args = parser.parse_args()
     link.enter(args.link, nproc=2)
     torch.set_num_threads(1)

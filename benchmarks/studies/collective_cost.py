@@ -1,8 +1,10 @@
 """What one collective costs on this machine: wall time, and CPU time per thread.
 
-Run (under a minute):
+Run from the repository root (under a minute):
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/collective_cost.py
+    python -m benchmarks collective_cost
+
+which is exactly ``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m benchmarks.studies.collective_cost``.
 
 Whether overlapping communication with backward can pay depends on what a collective
 spends its time on. Waiting for a wire leaves the CPU to backward; copying bytes through
@@ -18,6 +20,7 @@ cores. Writes ``benchmarks/results/YYYY-MM-DD-collective-cost.md``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -27,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import environment_lines, report_path
+from benchmarks.lib import launch
+from benchmarks.lib.common import environment_lines, report_path
 
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/collective_cost.py"
 SIZES = [256, 1 << 16, 1 << 18, 1 << 20, 1 << 22]  # fp32 elements
 ROUNDS = 6
 TARGET_BYTES_PER_BLOCK = 64 << 20  # repetitions per block: about this many bytes, 20 to 200 calls
@@ -100,7 +103,7 @@ def report(results: dict[int, dict[str, tuple[float, dict[str, tuple[float, floa
     lines = [
         f"# What one collective costs ({time.strftime('%Y-%m-%d')})",
         "",
-        *environment_lines(COMMAND),
+        *environment_lines(launch.command_line()),
         f"- {ROUNDS} rounds, contenders interleaved; per block as many calls as make ~64 MiB (20 to 200)",
         "- wall: median over rounds of the mean per call on rank 0; CPU: rank 0's threads, per call, "
         "user + system (system in parentheses), from /proc (10 ms ticks, averaged over many calls)",
@@ -129,6 +132,7 @@ def report(results: dict[int, dict[str, tuple[float, dict[str, tuple[float, floa
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     results = {numel: measure(numel) for numel in SIZES}

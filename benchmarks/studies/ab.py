@@ -1,23 +1,26 @@
 """Before/after: this working tree's gradsync against a git revision's, interleaved in one run.
 
-Run (a few minutes; ``--before`` defaults to ``HEAD``):
+Run from the repository root (a few minutes; ``--before`` defaults to ``HEAD``):
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/ab.py \
-        --before HEAD --label fused-division --workloads large_grad transformer
+    python -m benchmarks ab --before HEAD --label fused-division --workloads large_grad transformer
 
-    python benchmarks/ab.py --link 1gbit --hook powersgd --before fe753b1 --label powersgd --workloads transformer
+    python -m benchmarks ab --link 1gbit --hook powersgd --before fe753b1 --label powersgd --workloads transformer
+
+The first is exactly ``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m benchmarks.studies.ab
+--before HEAD ...``; with ``--link`` it is ``python -m benchmarks.studies.ab --link 1gbit ...``, which
+starts torchrun inside the namespace itself.
 
 ``--hook powersgd`` registers each package's own ``powersgd_hook`` (rank ``--rank``, compressing
 from iteration 2) on ``after`` and ``before``, and torch's ``powerSGD_hook`` on torch's DDP (with
-one bucket: with several it deadlocks on gloo, see hooks_bench.py). ``--link RATE`` runs it all
-on a shaped link (link.py).
+one bucket: with several it deadlocks on gloo, see studies/hooks.py). ``--link RATE`` runs it all
+on a shaped link (lib/link.py).
 
 Each rank extracts ``src/gradsync`` of the ``--before`` revision (``git archive``) into a
 temporary directory as the package ``gradsync_before`` and imports it next to the working
 tree's ``gradsync``. Contenders, on the same weights and batches, interleaved in rounds
-(common.py's ``interleave``): ``after`` (working tree), ``before`` (the revision), torch's DDP
+(lib/common.py's ``interleave``): ``after`` (working tree), ``before`` (the revision), torch's DDP
 with the same ``gradient_as_bucket_view`` and the bare module. The key number is the
-per-round ratio after/before with its bootstrap interval (common.py's ``paired_ratio``): both
+per-round ratio after/before with its bootstrap interval (lib/common.py's ``paired_ratio``): both
 ran in the same rounds, so drift on the machine cancels. Rank 0 writes
 ``benchmarks/results/YYYY-MM-DD-ab-LABEL.md``.
 """
@@ -42,10 +45,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 import gradsync.hooks as after_hooks
-from gradsync import DistributedDataParallel as AfterDDP
-
-import link
-from common import (
+from benchmarks.lib import launch, link
+from benchmarks.lib.common import (
     REPO,
     TORCH_DDP,
     Contender,
@@ -56,10 +57,9 @@ from common import (
     summarise,
     train_step,
 )
-from workloads import WORKLOADS, Workload
+from benchmarks.lib.workloads import WORKLOADS, Workload
+from gradsync import DistributedDataParallel as AfterDDP
 
-COMMAND = "OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/ab.py"
-SHAPED_COMMAND = "python benchmarks/ab.py"  # --link: it starts torchrun inside the namespace
 CONTENDERS = ("after", "before", "torch_ddp", "no_comm")
 BATCHES_PER_RANK = 4
 
@@ -143,7 +143,7 @@ def report(results: dict[str, dict[str, list[float]]], iters: dict[str, int], ar
     lines = [
         f"# A/B: gradsync working tree vs `{args.before}` ({args.label})",
         "",
-        *environment_lines(" ".join([SHAPED_COMMAND if link.current() else COMMAND, *sys.argv[1:]])),
+        *environment_lines(launch.command_line()),
         f"- `--before {args.before}`: {revision_line(args.before)}",
         f"- comm hook: {_hook_line(args)}",
         f"- gradient_as_bucket_view={args.as_view}; {args.rounds} rounds, warm-up {args.warmup}"
@@ -197,7 +197,7 @@ def main() -> None:
     )
     parser.add_argument("--hook", choices=["none", "powersgd"], default="none", help="comm hook on every DDP")
     parser.add_argument("--rank", type=int, default=1, help="PowerSGD's matrix_approximation_rank with --hook")
-    parser.add_argument("--link", help="rate of a shaped loopback link (1gbit, ...): start with python (link.py)")
+    parser.add_argument("--link", help="rate of a shaped loopback link (1gbit, ...): start with python (lib/link.py)")
     args = parser.parse_args()
     link.enter(args.link, nproc=2)  # with --link: runs this script inside a shaped namespace, then exits
     torch.set_num_threads(1)

@@ -8,18 +8,20 @@ share the one loopback qdisc, so at 1 Gbit/s a 2-rank all-reduce moves its buffe
 63 MB/s (measured: 16 MiB in 265 ms). This kernel has no ``netem``, so there is no added
 latency, only the rate.
 
-Used by the suite, the scaling study and the hooks benchmark through ``--link RATE``::
+Used by the suite, the scaling study, the hooks, A/B and compression-task studies through
+``--link RATE``::
 
-    python benchmarks/suite.py --link 1gbit          # starts torchrun inside the namespace
-    python benchmarks/scaling.py --link 1gbit
+    python -m benchmarks suite --link 1gbit          # starts torchrun inside the namespace
+    python -m benchmarks scaling --link 1gbit
 
-``scaling.py --link RATE --per-rank-links`` gives each rank a link of its own instead of the
-shared loopback ([Note: one link per rank], ``run_ranks``).
+``python -m benchmarks scaling --link RATE --per-rank-links`` gives each rank a link of its own
+instead of the shared loopback ([Note: one link per rank], ``run_ranks``).
 
-``enter(rate, nproc)`` runs first in the script's ``main``: outside the namespace it creates one
-(uniquely named), starts the same command inside it (under torchrun when ``nproc`` is given)
-and exits with its status; inside (``GRADSYNC_BENCH_LINK`` set) it returns and the script runs
-as usual. The namespace is removed on every exit path: normal end, failure, Ctrl-C, SIGTERM.
+``enter(rate, nproc)`` runs first in the study's ``main``: outside the namespace it creates one
+(uniquely named), starts the same study inside it (``python -m benchmarks.studies.NAME``, under
+torchrun when ``nproc`` is given; [Note: one way to start a study] in launch.py) and exits with
+its status; inside (``GRADSYNC_BENCH_LINK`` set) it returns and the study runs as usual. The
+namespace is removed on every exit path: normal end, failure, Ctrl-C, SIGTERM.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+
+from benchmarks.lib import launch
 
 ENV_VAR = "GRADSYNC_BENCH_LINK"  # set inside the namespace: the rate, for reports
 TOPOLOGY_VAR = "GRADSYNC_BENCH_LINK_TOPOLOGY"  # "per-rank" when each rank has its own link (see below)
@@ -255,14 +259,13 @@ def enter(rate: str | None, nproc: int | None) -> None:
         return
     if "LOCAL_RANK" in os.environ:
         raise SystemExit(
-            f"--link {rate}: start the script with python, not torchrun (it starts torchrun inside the "
-            "namespace itself): python " + " ".join(sys.argv)
+            f"--link {rate}: start the study with python, not torchrun (it starts torchrun inside the "
+            "namespace itself): " + launch.command_line()
         )
     problem = missing()
     if problem:
         raise SystemExit(f"--link {rate}: a shaped link {problem}; plain loopback still works (run without --link).")
-    script = [sys.executable, *sys.argv]
-    if nproc is not None:
-        script = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *sys.argv]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    module, args = launch.main_module(), sys.argv[1:]
+    script = launch.python_m(module, args) if nproc is None else launch.torchrun_m(module, args, nproc)
+    env = launch.env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     raise SystemExit(run_inside(rate, script, env))

@@ -4,8 +4,8 @@
 Peak RSS (``ru_maxrss``, the kernel's high-water mark) only ever grows, and freed
 memory is not always returned to the kernel, so two contenders measured in one process
 would blur into each other. Each (workload, contender) therefore runs in fresh processes,
-one per rank: ``suite.py --rss-only CONTENDER --workloads W`` under torchrun, or started
-by ``spawn_all`` from inside a running suite (each rank starts its own child; the children
+one per rank: ``python -m benchmarks suite --rss-only CONTENDER --workloads W`` (torchrun), or
+started by ``spawn_all`` from inside a running suite (each rank starts its own child; the children
 form their own process group on a fresh port).
 
 Importing torch alone leaves a high-water mark above the steady state, higher than a
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import contenders
-from common import free_port, train_step
-from workloads import WORKLOADS
+from benchmarks.lib import contenders, launch
+from benchmarks.lib.common import free_port, train_step
+from benchmarks.lib.workloads import WORKLOADS
 
 MARKER = "RSS_JSON "
 ITERATIONS = 5  # includes the DDPs' bucket rebuild at iteration 1
@@ -80,8 +80,8 @@ def child_main(contender: str, workload_name: str, cap: Any) -> None:
     print(MARKER + json.dumps(result), flush=True)
 
 
-def spawn_all(jobs: list[tuple[str, str, Any]], script: Path) -> dict[tuple[str, str], dict[str, float]]:
-    """Run each (workload, contender, cap) in fresh child processes; every rank calls this.
+def spawn_all(jobs: list[tuple[str, str, Any]], module: str) -> dict[tuple[str, str], dict[str, float]]:
+    """Run each (workload, contender, cap) in fresh child processes of study ``module``; every rank calls this.
 
     Returns, on every rank, ``{(workload, contender): {"peak_mib", "growth_mib", "steady_mib"}}``
     (``steady_mib`` is a growth too), each the maximum over ranks.
@@ -91,7 +91,7 @@ def spawn_all(jobs: list[tuple[str, str, Any]], script: Path) -> dict[tuple[str,
         port = [free_port() if dist.get_rank() == 0 else 0]
         dist.broadcast_object_list(port, src=0)
         # Not torchrun's agent store: the children's rank 0 hosts their own store.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+        env = launch.env({k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")})
         env.update(
             RANK=str(dist.get_rank()),
             LOCAL_RANK=str(dist.get_rank()),
@@ -99,7 +99,7 @@ def spawn_all(jobs: list[tuple[str, str, Any]], script: Path) -> dict[tuple[str,
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port[0]),
         )
-        command = [sys.executable, str(script), "--rss-only", contender, "--workloads", workload]
+        command = launch.python_m(module, ["--rss-only", contender, "--workloads", workload])
         if cap is not None:
             command += ["--cap", str(cap)]
         mine = _run_child(command, env)

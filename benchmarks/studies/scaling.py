@@ -1,16 +1,18 @@
 """Scaling study: iteration time over world size and model size, against no communication.
 
-Run (about 3 minutes on a 2-core machine; wait until the machine is otherwise idle):
+Run from the repository root (about 3 minutes on a 2-core machine; wait until the machine is
+otherwise idle):
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scaling.py
+    python -m benchmarks scaling
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scaling.py --backend nccl   # GPUs; skips cleanly without
+    python -m benchmarks scaling --backend nccl   # GPUs; skips cleanly without
 
-This script is a launcher: for each world size (``--world-sizes``, default 1 2 4) it starts
-``torchrun --standalone --nproc-per-node W`` on itself in worker mode. Each worker trains a
+(exactly ``OMP_NUM_THREADS=1 python -m benchmarks.studies.scaling [--backend nccl]``). This study is a
+launcher: for each world size (``--world-sizes``, default 1 2 4) it starts
+``torchrun --standalone --nproc-per-node W -m benchmarks.studies.scaling`` in worker mode. Each worker trains a
 stack of four square ``Linear`` layers of each size (``--sizes`` in millions of parameters,
 default 1 10 30 100; batch 16, SGD without momentum) under three contenders, interleaved
-(common.py's [Note: how an iteration is timed]): gradsync's DDP and torch's DDP with default
+(lib/common.py's [Note: how an iteration is timed]): gradsync's DDP and torch's DDP with default
 arguments, and the bare module (no communication, the bound). Big models get fewer
 iterations. Exposed communication = median minus the no-communication median.
 
@@ -39,10 +41,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.lib import launch, link
+from benchmarks.lib.common import (
+    TORCH_DDP,
+    Contender,
+    MachineLoad,
+    interleave,
+    report_path,
+    revision,
+    summarise,
+    today,
+    train_step,
+)
 from gradsync import DistributedDataParallel as GradsyncDDP
-
-import link
-from common import TORCH_DDP, Contender, MachineLoad, interleave, report_path, revision, summarise, today, train_step
 
 CONTENDERS = ("gradsync", "torch_ddp", "no_comm")
 DEPTH, BATCH = 4, 16
@@ -136,19 +147,19 @@ def synchronized(step: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- launcher and report
-def launch(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
+def launch_world(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
-        worker = [__file__, "--worker", "--backend", args.backend, "--out", str(out)]
+        worker = ["--worker", "--backend", args.backend, "--out", str(out)]
         worker += ["--sizes", *[str(s) for s in args.sizes]]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = launch.env(OMP_NUM_THREADS="1")
+        module = launch.main_module()  # workers are this study in worker mode ([Note: one way to start a study])
         if args.per_rank_links:  # one namespace and link per rank ([Note: one link per rank] in link.py)
-            status = link.run_ranks(args.link, world_size, [sys.executable, *worker], env)
+            status = link.run_ranks(args.link, world_size, launch.python_m(module, worker), env)
             if status != 0:
                 raise SystemExit(f"{world_size} ranks on per-rank links failed with status {status}")
         else:
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
-            subprocess.run([*command, *worker], check=True, env=env)
+            subprocess.run(launch.torchrun_m(module, worker, nproc=world_size), check=True, env=env)
         return json.loads(out.read_text())
 
 
@@ -212,9 +223,7 @@ def chart(runs: dict[int, dict[str, Any]], path: Path, backend: str) -> None:
 def write_report(runs: dict[int, dict[str, Any]], args: argparse.Namespace, skipped: list[str]) -> Path:
     suffix = "" if args.backend == "gloo" else f"-{args.backend}"
     png = report_path(f"scaling{suffix}", "png")
-    command = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scaling.py" + (
-        "" if args.backend == "gloo" else f" --backend {args.backend}"
-    )
+    command = "python -m benchmarks scaling" + ("" if args.backend == "gloo" else f" --backend {args.backend}")
     command += " --world-sizes " + " ".join(str(w) for w in args.world_sizes)
     command += " --sizes " + " ".join(f"{s:g}" for s in args.sizes)
     command += f" --link {args.link}" if args.link else ""
@@ -255,7 +264,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument(
         "--link",
-        help="rate of a shaped loopback link (1gbit, 10gbit, ...): the whole study runs inside it (link.py)",
+        help="rate of a shaped loopback link (1gbit, 10gbit, ...): the whole study runs inside it (lib/link.py)",
     )
     parser.add_argument(
         "--per-rank-links",
@@ -283,14 +292,14 @@ def main() -> int:
     if args.backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
-            print("scaling.py --backend nccl: no CUDA GPU on this machine; nothing to measure, skipping.")
+            print("scaling --backend nccl: no CUDA GPU on this machine; nothing to measure, skipping.")
             return 0
         skipped = [f"{w} ranks (only {gpus} GPUs)" for w in world_sizes if w > gpus]
         world_sizes = [w for w in world_sizes if w <= gpus]
     runs = {}
     for world in world_sizes:
         print(f"--- {world} ranks", flush=True)
-        runs[world] = launch(world, args)
+        runs[world] = launch_world(world, args)
     path = write_report(runs, args, skipped)
     print(path.read_text())
     print(f"report: {path}")

@@ -1,8 +1,10 @@
 """Copying gradients into a bucket and dividing them: which way is faster, by gradient size.
 
-Run (single process, about half a minute):
+Run from the repository root (single process, about half a minute):
 
-    OMP_NUM_THREADS=1 python benchmarks/copy_in.py
+    python -m benchmarks copy_in
+
+which is exactly ``OMP_NUM_THREADS=1 python -m benchmarks.studies.copy_in``.
 
 gradsync copies each bucket's gradients into its flat buffer and divides by the world size
 before the all-reduce ([Note: one pass per gradient] in ``src/gradsync/bucket_set.py``). Two
@@ -19,6 +21,7 @@ The crossover sets ``FUSE_DIVISION_MIN_NUMEL`` in ``grad_bucket.py``. Writes
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -27,10 +30,9 @@ import time
 import torch
 
 import gradsync
+from benchmarks.lib import launch
+from benchmarks.lib.common import report_path, revision
 
-from common import report_path, revision
-
-COMMAND = "OMP_NUM_THREADS=1 python benchmarks/copy_in.py"
 SIZES = [1024, 4096, 16384, 65536, 262144, 1 << 20, 1 << 24]  # elements per gradient
 MIN_BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per bucket at least, so caches do not hold it
 REPEATS = 7
@@ -64,11 +66,12 @@ def measure(numel: int) -> tuple[int, float, float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     lines = [
         f"# Copy-in and division: two passes vs one call per gradient ({time.strftime('%Y-%m-%d')})",
         "",
-        f"Command: `{COMMAND}`",
+        f"Command: `{launch.command_line()}`",
         "",
         f"- torch {torch.__version__}, Python {platform.python_version()}, gradsync {gradsync.__version__} "
         f"(commit {revision()}), {os.cpu_count()} CPU cores, 1 torch thread, fp32, divisor 2, median of {REPEATS}",
