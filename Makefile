@@ -21,12 +21,15 @@ demo: $(STAMP)
 demo-elastic: $(STAMP)
 	$(PY) examples/elastic_demo.py
 
+# The import contracts of docs/architecture.md first (a second), then the tests.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(PY) -m benchmarks iteration
