@@ -23,6 +23,6 @@ so a dead one is restarted alone and joins again. See docs/fault_tolerance.md.
 from .fault_tolerant import FaultTolerant
 from .membership import Generation
 from .run import ElasticRun, init
-from .store import serve
+from .tcp_store import serve
 
 __all__ = ["ElasticRun", "FaultTolerant", "Generation", "init", "serve"]

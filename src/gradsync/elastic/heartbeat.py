@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 
 from .keys import Keys
-from .store import connect
+from .tcp_store import connect
 
 
 class Heartbeat:

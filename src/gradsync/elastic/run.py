@@ -22,7 +22,7 @@ from .commit import QUICK_TIMEOUT
 from .heartbeat import Heartbeat
 from .keys import Keys
 from .membership import Generation
-from .store import connect
+from .tcp_store import connect
 
 _current: ElasticRun | None = None
 

@@ -1,5 +1,8 @@
 """The rendezvous store of a fault-tolerant run: one TCPStore that outlives every trainer.
 
+``python -m gradsync.elastic.store`` (store.py) hosts it; this module is what the package imports,
+so that running that entry point does not find it imported already.
+
 [Note: a store outside the trainers]
 Plain DDP's store lives in torchrun's agent, or in rank 0's process: it dies with the job, or
 with rank 0. A fault-tolerant run has one replica per launcher (each restarted alone), so the
@@ -10,9 +13,6 @@ as losing torchft's lighthouse does.
 
 from __future__ import annotations
 
-import argparse
-import signal
-import threading
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -31,20 +31,3 @@ def connect(address: str, timeout: timedelta) -> dist.TCPStore:
 def serve(host: str = "0.0.0.0", port: int = DEFAULT_PORT) -> dist.TCPStore:
     """Host the store in this process (it serves from a C++ thread until the object is dropped)."""
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Host the rendezvous store of a gradsync fault-tolerant run.")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
-    args = parser.parse_args(argv)
-    store = serve(args.host, args.port)
-    print(f"gradsync store serving on port {store.port}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-
-
-if __name__ == "__main__":
-    main()
