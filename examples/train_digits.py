@@ -138,7 +138,10 @@ def train_distributed(args: argparse.Namespace, train_set: TensorDataset, test_s
         loader = shard_loader(train_set, rank, world_size, progress.epoch, skip_steps=progress.steps)
         desc = f"epoch {progress.epoch + 1:2d}/{args.epochs}"
         total = progress.steps + len(loader)
-        for x, y in tqdm(loader, desc=desc, initial=progress.steps, total=total, leave=False, disable=rank != 0):
+        # A bar only on a terminal: in a log file (CI, | tee) each refresh would be a line of its own;
+        # there the epoch's summary line below is the progress report.
+        bar = rank != 0 or not sys.stderr.isatty()
+        for x, y in tqdm(loader, desc=desc, initial=progress.steps, total=total, leave=False, disable=bar):
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()  # gradsync averages the gradients across ranks in here

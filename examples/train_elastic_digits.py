@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -86,7 +87,11 @@ def main() -> None:
     if args.kill_at_step >= 0 and attempt == 0:
         first = model.module[0].weight  # its gradient comes last: the other buckets are in flight by then
         first.register_hook(lambda g: _die() if (ft.step_count, ft.rank) == (args.kill_at_step, args.kill_rank) else g)
-    bar = tqdm(total=args.steps, initial=ft.step_count, disable=ft.rank != 0 or joiner, desc="steps")
+    # A bar only on a terminal: in a log file (CI, | tee) each refresh would be a line of its own.
+    # There a line per tenth of the steps reports the progress instead.
+    on_terminal = sys.stderr.isatty()
+    bar = tqdm(total=args.steps, initial=ft.step_count, disable=ft.rank != 0 or joiner or not on_terminal, desc="steps")
+    log_every = 0 if on_terminal or ft.rank != 0 or joiner else max(args.steps // 10, 1)
     bar.set_postfix(world=ft.world_size)
     x_all, y_all = train_set.tensors
     loss_fn = nn.CrossEntropyLoss()
@@ -98,6 +103,8 @@ def main() -> None:
         loss_fn(model(x_all[index]), y_all[index]).backward()
         if ft.step():
             bar.update(1)
+            if log_every and ft.step_count % log_every == 0:
+                print(f"step {ft.step_count}/{args.steps}, world size {ft.world_size}", flush=True)
         time.sleep(args.step_delay)
     bar.close()
     identical = ft.replicas_identical()

@@ -171,11 +171,23 @@ def assert_same_weights(path: Path, expected_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Final weights of the 2-process run nothing happened to (no checkpoints either)."""
+def uninterrupted_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """Final weights and output of the 2-process run nothing happened to (no checkpoints either)."""
     final = tmp_path_factory.mktemp("uninterrupted") / "final.pt"
-    launch_ok(standalone(2, *TRAIN, "--save-final", final))
-    return final
+    return final, launch_ok(standalone(2, *TRAIN, "--save-final", final))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run: tuple[Path, str]) -> Path:
+    return uninterrupted_run[0]
+
+
+def test_off_a_terminal_the_demo_prints_a_line_per_epoch_not_progress_bars(uninterrupted_run: tuple[Path, str]) -> None:
+    """Its output went to a file here, as in CI or through ``| tee``."""
+    lines = uninterrupted_run[1].splitlines()
+    assert not [line for line in lines if "%|" in line or "it/s]" in line], "progress-bar refreshes in a log"
+    epochs = [line for line in lines if line.startswith("epoch ") and "train loss" in line]
+    assert [line.split()[1] for line in epochs] == ["1", "2"], lines
 
 
 @pytest.mark.timeout(180)
