@@ -42,6 +42,32 @@ def test_every_name_torch_defines_is_gradsync_s_own() -> None:
         assert module.startswith("gradsync"), f"{name} resolves to {module}"
 
 
+def test_every_torch_method_keeps_torch_s_parameters() -> None:
+    """Code calls these names the way torch's class takes them: same parameters, or *args/**kwargs."""
+
+    def parameters(cls: type, name: str) -> list[tuple[str, object, bool]] | None:
+        attr = inspect.getattr_static(cls, name)
+        func = getattr(attr, "__func__", attr)
+        if not inspect.isfunction(func):
+            return None
+        return [
+            (p.name, p.kind, p.default is inspect.Parameter.empty) for p in inspect.signature(func).parameters.values()
+        ]
+
+    differ = []
+    for name in vars(TorchDDP):
+        theirs, ours = parameters(TorchDDP, name), parameters(DDP, name)
+        if theirs is None or ours is None:
+            continue
+        takes_anything = {kind for _, kind, _ in ours[1:]} == {
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        }
+        if ours != theirs and not takes_anything:
+            differ.append(name)
+    assert not differ, f"gradsync's DistributedDataParallel takes other parameters than torch's for {differ}"
+
+
 def test_internals_without_a_counterpart_say_so() -> None:
     with pytest.raises(NotImplementedError, match="_register_buffer_comm_hook is an internal of torch's"):
         DDP._register_buffer_comm_hook(object(), None, None)

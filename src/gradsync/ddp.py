@@ -215,9 +215,13 @@ class DistributedDataParallel(DataParallelWrapper, TorchDDP):
     def _sync_module_buffers(self, authoritative_rank: int) -> None:
         self._default_broadcast_coalesced(authoritative_rank=authoritative_rank)
 
+    def _sync_buffers(self) -> None:
+        """Broadcast the buffers from rank 0, or under join from the largest still-active rank."""
+        self._sync_buffers_from(candidate=True)
+
     def _check_and_sync_module_buffers(self) -> None:
         if self.will_sync_module_buffers():
-            self._sync_buffers(candidate=True)
+            self._sync_buffers_from(candidate=True)
 
     def _check_global_requires_backward_grad_sync(self, is_joined_rank: bool) -> Any:
         wants = not is_joined_rank and self.require_backward_grad_sync

@@ -210,7 +210,7 @@ class DataParallelWrapper(nn.Module, Joinable):
             self._sync_start = self._sync_end = 0.0
             if self.will_sync_module_buffers():
                 self._sync_start = now()
-                self._sync_buffers(candidate=True)
+                self._sync_buffers_from(candidate=True)
                 self._sync_end = now()
             if self._join_config.enable:
                 uneven_inputs.all_ranks_agree_to_sync(will_sync, self.process_group, engine.buckets.device)
@@ -256,7 +256,7 @@ class DataParallelWrapper(nn.Module, Joinable):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
-    def _sync_buffers(self, candidate: bool) -> None:
+    def _sync_buffers_from(self, candidate: bool) -> None:
         """Broadcast buffers from rank 0, or under join from the largest still-active rank."""
         with label("gradsync::sync_buffers"):
             engine = self.engine

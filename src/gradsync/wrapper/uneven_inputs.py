@@ -38,7 +38,7 @@ class Joining(Protocol):
 
     def will_sync_module_buffers(self) -> bool: ...
 
-    def _sync_buffers(self, candidate: bool) -> None: ...
+    def _sync_buffers_from(self, candidate: bool) -> None: ...
 
     def _broadcast_module_state(self, src: int, include_buffers: bool) -> None: ...
 
@@ -73,7 +73,7 @@ class DDPJoinHook(JoinHook):
         ddp = self.ddp
         ddp.engine.before_forward()  # mirrors the one-time bucket rebuild
         if ddp.will_sync_module_buffers():
-            ddp._sync_buffers(candidate=False)
+            ddp._sync_buffers_from(candidate=False)
         should_sync = all_ranks_agree_to_sync(False, ddp.process_group, ddp.engine.buckets.device)
         # The next forward syncs buffers only if this iteration synced gradients.
         ddp.require_forward_param_sync = bool(should_sync)
