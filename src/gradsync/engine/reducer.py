@@ -19,19 +19,7 @@ order) → ``_finalize`` (once, at the end of backward). ``disarm`` after a forw
 sync. These are gradsync's names; torch's (``prepare_for_backward``, ``_rebuild_buckets``, ...)
 are spoken by the facade ``ddp.reducer`` (compat/torch_reducer.py).
 
-The state, each part an object of its own (see its module):
-
-============  ===================  ===========================================================
-buckets       ``BucketSet``        flat buffers and where each parameter lives (bucket_set.py)
-reduction     ``Reduction``        how one bucket is averaged: all-reduce or comm hook (reductions.py)
-current       ``BackwardPass``     this backward's readiness, launches, errors (backward_pass.py)
-usage         ``ParameterUsage``   which parameters a backward uses (usage.py)
-static        ``StaticGraphCounts``  static_graph's hook counts (static_graph.py)
-rebuild       ``BucketRebuild``    the one-time rebuild in gradient-ready order (rebuild.py)
-divisor       ``Divisor``          what sums are divided by (divisor.py)
-records       ``Records``          what each iteration did: stats, trace, last error (records.py)
-tolerance     ``Tolerance``        the fault-tolerant mode's noted failures (tolerance.py)
-============  ===================  ===========================================================
+The state is in ``Reducer.__init__``: each part an object of its own, in a module of its own.
 
 [Note: launch order]
 A bucket whose parameters are all ready is launched only after every bucket before it
@@ -62,7 +50,7 @@ from ..observability.labels import label
 from ..observability.stats import DDPStats
 from ..observability.timing import now
 from . import errors, graph, ownership
-from .agreement import agree_on_used, shadow_used_map
+from .agreement import shadow_used_map
 from .backward_pass import BackwardPass
 from .bucket_set import BucketSet
 from .config import ReducerConfig
@@ -71,7 +59,7 @@ from .fused_optim import FusedOptimizer
 from .rebuild import BucketRebuild
 from .records import Records, collect_stats
 from .reductions import AllReduce, CommHook, CommHookReduction, LaunchContext, Reduction
-from .static_graph import StaticGraphCounts
+from .static_graph import Firing, StaticGraphCounts
 from .tolerance import Tolerance
 from .usage import ParameterUsage
 
@@ -116,15 +104,15 @@ class Reducer:
             delay_after=config.delay_after,
         )
         self.initial_bucket_sizes = [s.nbytes for s in self.buckets.storages]
-        self.reduction: Reduction = AllReduce(process_group)
-        self.fused_optimizer: FusedOptimizer | None = None  # steps each bucket as it completes
+        self.reduction: Reduction = AllReduce(process_group)  # how a bucket is averaged (reductions.py)
+        self.fused_optimizer: FusedOptimizer | None = None  # steps each bucket as it completes (fused_optim.py)
         self.desync: DesyncDetector | None = None  # debug mode: agree on every collective first
-        self.usage = ParameterUsage(count)
-        self.static = StaticGraphCounts(count)
+        self.usage = ParameterUsage(count)  # which parameters a backward uses (usage.py)
+        self.static = StaticGraphCounts(count)  # static_graph's hook counts (static_graph.py)
         self.rebuild = BucketRebuild(count, enabled=config.static_graph or not config.find_unused_parameters)
-        self.divisor = Divisor(self.world_size)
-        self.records = Records(len(self.buckets.storages))
-        self.tolerance = Tolerance(config.keep_local_grads)
+        self.divisor = Divisor(self.world_size)  # what sums are divided by (divisor.py)
+        self.records = Records(len(self.buckets.storages))  # stats, trace timeline, last error (records.py)
+        self.tolerance = Tolerance(config.keep_local_grads)  # the fault-tolerant mode's failures (tolerance.py)
         self.state = ReducerState.IDLE
         self.iteration = 0  # synced backwards finalized so far
         self.synced_forwards = 0  # every rank counts the same; desync checks compare it
@@ -230,17 +218,14 @@ class Reducer:
                 self._launch_ready_buckets()
 
     def _on_static_grad(self, index: int) -> None:
-        """static_graph: count hook firings; a parameter is ready at its expected count."""
-        counts = self.static
-        counts.fired[index] += 1
-        fired = counts.fired[index]
-        if counts.expected is None:
-            if fired == 1 and self.iteration == 0:
-                self.rebuild.order.append(index)
-            return  # first static-graph iteration: everything is reduced at the end
-        if fired == counts.expected[index]:
+        """static_graph: a parameter is ready once its hook fired as often as in the first backward
+        (which is reduced as a whole at its end)."""
+        firing = self.static.fire(index)
+        if firing is Firing.READY:
             self._mark_ready(index)
-        elif fired > counts.expected[index]:
+        elif firing is Firing.FIRST_SEEN and self.iteration == 0:
+            self.rebuild.order.append(index)
+        elif firing is Firing.TOO_MANY:
             self.current.errors.append(self._static_graph_error(index))
 
     def _begin_reduction(self) -> None:
@@ -372,8 +357,7 @@ class Reducer:
         if self.tolerance.failures:
             return None
         try:
-            used = self.usage.used_since_sync
-            return agree_on_used(used, self.process_group, self.buckets.device, self.desync, self.synced_forwards)
+            return self.usage.agree(self.process_group, self.buckets.device, self.desync, self.synced_forwards)
         except RuntimeError as error:
             if not self.tolerance.note(f"the used-parameter all-reduce failed: {error}"):
                 raise
@@ -491,15 +475,9 @@ class Reducer:
         self.reduction = CommHookReduction(hook, state)
 
     def stats(self) -> DDPStats:
+        rebuilt, hook = self.rebuild.done, self.reduction.name
         return collect_stats(
-            self.records,
-            self.buckets,
-            self.names,
-            self.config,
-            self.rank,
-            self.world_size,
-            self.rebuild.done,
-            self.reduction.name,
+            self.records, self.buckets, self.names, self.config, self.rank, self.world_size, rebuilt, hook
         )
 
     def remove_hooks(self) -> None:

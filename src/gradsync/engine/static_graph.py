@@ -9,7 +9,19 @@ that never fired are known to be unused without searching the graph.
 
 from __future__ import annotations
 
+import enum
+
 from . import errors
+
+
+class Firing(enum.Enum):
+    """What one hook firing means under a static graph."""
+
+    FIRST_SEEN = "first seen"  # learning, and the first firing of this parameter in this backward
+    LEARNING = "learning"  # learning: counted, nothing to do until the end of backward
+    WAITING = "waiting"  # fewer firings than the first backward had
+    READY = "ready"  # exactly as many as the first backward had: the gradient is final
+    TOO_MANY = "too many"  # more than the first backward had: the graph changed
 
 
 class StaticGraphCounts:
@@ -23,6 +35,15 @@ class StaticGraphCounts:
     @property
     def learning(self) -> bool:
         return self.expected is None
+
+    def fire(self, index: int) -> Firing:
+        self.fired[index] += 1
+        fired = self.fired[index]
+        if self.expected is None:
+            return Firing.FIRST_SEEN if fired == 1 else Firing.LEARNING
+        if fired == self.expected[index]:
+            return Firing.READY
+        return Firing.TOO_MANY if fired > self.expected[index] else Firing.WAITING
 
     def reset(self) -> None:
         self.fired = [0] * len(self.fired)

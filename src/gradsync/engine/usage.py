@@ -12,8 +12,11 @@ used keeps its ``.grad`` as it was, as with torch.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from ..observability.desync import DesyncDetector
 from . import graph
+from .agreement import agree_on_used
 
 
 class ParameterUsage:
@@ -35,6 +38,12 @@ class ParameterUsage:
         if combine and self.forward_unused is not None:
             unused &= self.forward_unused
         self.forward_unused = unused
+
+    def agree(
+        self, group: dist.ProcessGroup, device: torch.device, desync: DesyncDetector | None, forwards: int
+    ) -> list[bool]:
+        """Used on any rank since the last synced backward (one all-reduce of the map)."""
+        return agree_on_used(self.used_since_sync, group, device, desync, forwards)
 
     def end_synced_backward(self) -> None:
         self.used_since_sync = [False] * len(self.used_since_sync)
