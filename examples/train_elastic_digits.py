@@ -63,11 +63,15 @@ def main() -> None:
     model = DDP(make_model())
     optimizer = make_optimizer(model)
     bar = None
+    reporting = False  # whether this process reports progress: known once FaultTolerant has a rank
 
     def on_reconfigure(rank: int, world_size: int, step: int) -> None:
+        line = f"step {step}: world size {world_size} (generation {run.generation.number})"
         if bar is not None and not bar.disable:
             bar.set_postfix(world=world_size)
-            bar.write(f"step {step}: world size {world_size} (generation {run.generation.number})")
+            bar.write(line)
+        elif reporting:
+            print(line, flush=True)
 
     ft = elastic.FaultTolerant(model, optimizer, on_reconfigure=on_reconfigure)
     if joiner:
@@ -90,8 +94,9 @@ def main() -> None:
     # A bar only on a terminal: in a log file (CI, | tee) each refresh would be a line of its own.
     # There a line per tenth of the steps reports the progress instead.
     on_terminal = sys.stderr.isatty()
-    bar = tqdm(total=args.steps, initial=ft.step_count, disable=ft.rank != 0 or joiner or not on_terminal, desc="steps")
-    log_every = 0 if on_terminal or ft.rank != 0 or joiner else max(args.steps // 10, 1)
+    reporting = ft.rank == 0 and not joiner
+    bar = tqdm(total=args.steps, initial=ft.step_count, disable=not (reporting and on_terminal), desc="steps")
+    log_every = max(args.steps // 10, 1) if reporting and not on_terminal else 0
     bar.set_postfix(world=ft.world_size)
     x_all, y_all = train_set.tensors
     loss_fn = nn.CrossEntropyLoss()

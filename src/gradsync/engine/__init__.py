@@ -1,7 +1,9 @@
 """The engine: gradients in, averaged gradients out, bucket by bucket.
 
-Bucket assignment (``buckets``), bucket storage (``grad_bucket``, ``bucket_set``), the reducer
-and its lifecycle (``reducer``), launching buckets in order (``launch``), the one-time rebuild
-(``rebuild``) and the fault-tolerant reduction (``tolerant``). It knows nothing of the
-``nn.Module`` wrapper above it, nor of torch's private names (``gradsync.compat``).
+``reducer`` (the lifecycle, and the parts it holds), ``buckets`` (pure assignment), ``storage`` and
+``bucket_set`` (flat buffers, copying in and out), ``grad_bucket`` (what comm hooks receive),
+``reductions`` (all-reduce, comm hook), ``backward_pass``, ``usage``, ``static_graph``,
+``rebuild``, ``divisor``, ``records``, ``tolerance`` (the fault-tolerant side), ``fused_optim``.
+It knows nothing of the ``nn.Module`` wrapper above it, nor of torch's private names
+(``gradsync.compat`` translates them).
 """
