@@ -1,7 +1,7 @@
 """The public API: every name users import works, from the path they import it from.
 
 The list is the API as it stood before the packages were split by layer (issue #19), plus what was
-added since; removing or moving a name must fail here. Modules below the entry points
+added since (``gradsync.zero``, #20); removing or moving a name must fail here. Modules below the entry points
 (``gradsync.engine``, ``gradsync.wrapper``, ...) are internal and may move.
 """
 
@@ -45,6 +45,7 @@ PUBLIC = {
         "topk_hook",
     ],
     "gradsync.elastic": ["ElasticRun", "FaultTolerant", "Generation", "init", "serve"],
+    "gradsync.zero": ["ShardedOptimizer"],
     "gradsync.integrations.lightning": ["GradsyncDDPStrategy", "GradsyncFabricDDPStrategy"],
     # Modules people import by path (docs, examples, python -m).
     "gradsync.ddp": ["DistributedDataParallel"],
@@ -71,7 +72,7 @@ def test_every_public_name_imports(module: str) -> None:
 
 
 def test_all_lists_exactly_the_public_names() -> None:
-    for module in ("gradsync", "gradsync.hooks", "gradsync.elastic"):
+    for module in ("gradsync", "gradsync.hooks", "gradsync.elastic", "gradsync.zero"):
         listed = set(importlib.import_module(module).__all__)
         assert listed == set(PUBLIC[module]) - {"__version__"}, module
 

@@ -57,9 +57,11 @@ class BucketSet:
         delayed: frozenset[int] = frozenset(),
         reduce_dtype: torch.dtype | None = None,
         delay_after: int | None = None,
+        pad_multiple: int = 1,
     ) -> None:
         """``delayed``/``delay_after``: [Note: delayed all-reduce]; ``reduce_dtype``: the flat
-        buffers' dtype when it is not the parameters' own (``mixed_precision``)."""
+        buffers' dtype when it is not the parameters' own (``mixed_precision``); ``pad_multiple``: flat
+        buffers padded to a multiple of it (sharded reductions, engine/sharding.py)."""
         self.params = params
         self.sparse = sparse
         self.caps = caps
@@ -67,6 +69,7 @@ class BucketSet:
         self.delayed = delayed
         self.delay_after = delay_after
         self.reduce_dtype = reduce_dtype
+        self.pad_multiple = pad_multiple
         infos = [ParamInfo(p.numel() * p.element_size(), (p.device, p.dtype), s) for p, s in zip(params, sparse)]
         regular = [i for i in order if i not in delayed]
         self.order = regular  # with the caps, all it takes to build these buckets again elsewhere
@@ -77,7 +80,14 @@ class BucketSet:
                 position = next(b for b, members in enumerate(self.assignment) if delay_after in members) + 1
             self.assignment[position:position] = assign_buckets(infos, sorted(delayed), [1 << 62])
         self.storages = [
-            BucketStorage(indices, [params[i] for i in indices], sparse[indices[0]], reduce_lone_in_place, reduce_dtype)
+            BucketStorage(
+                indices,
+                [params[i] for i in indices],
+                sparse[indices[0]],
+                reduce_lone_in_place,
+                reduce_dtype,
+                pad_multiple,
+            )
             for indices in self.assignment
         ]
         self.bucket_of = [0] * len(params)
@@ -92,13 +102,21 @@ class BucketSet:
         self._in_place: set[int] = set()  # buckets reduced in their parameter's .grad this iteration
         self._in_place_ptrs: dict[int, int] = {}  # data_ptr of each such .grad -> its parameter
 
-    def rebuilt(self, order: Sequence[int], caps: list[int], as_view: bool, reduce_lone_in_place: bool) -> BucketSet:
-        """A new assignment in ``order``; bucket-view gradients move into the new buckets."""
+    def rebuilt(
+        self,
+        order: Sequence[int],
+        caps: list[int],
+        as_view: bool,
+        reduce_lone_in_place: bool,
+        pad_multiple: int | None = None,
+    ) -> BucketSet:
+        """A new assignment in ``order`` (padded as now unless ``pad_multiple`` says otherwise);
+        bucket-view gradients move into the new buckets."""
         if not as_view or all(p.grad is None for p in self.params):
             # Nothing aliases the old flat buffers: free them before allocating the new ones,
             # so the rebuild does not hold two copies of every gradient at once.
             self.storages = []
-        layout = (self.delayed, self.reduce_dtype, self.delay_after)
+        layout = (self.delayed, self.reduce_dtype, self.delay_after, pad_multiple or self.pad_multiple)
         new = BucketSet(self.params, self.sparse, order, caps, reduce_lone_in_place, *layout)
         if as_view:
             for storage in new.storages:

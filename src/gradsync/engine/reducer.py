@@ -435,6 +435,7 @@ class Reducer:
 
     def _new_layout(self) -> None:
         self.records.running.new_layout(len(self.buckets.storages))
+        self.reduction.adopt_buckets(self.buckets)
         self._begin_pass()
 
     # ------------------------------------------------------------------ other passes
@@ -473,6 +474,23 @@ class Reducer:
     # ------------------------------------------------------------------ hooks and reports
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         self.reduction = CommHookReduction(hook, state)
+
+    def use_reduction(self, reduction: Reduction, pad_multiple: int = 1) -> None:
+        """Reduce with ``reduction`` from now on (a sharded optimizer's reduce-scatter), before training.
+
+        The buckets are built again with flat buffers padded to ``pad_multiple`` and no lone
+        gradient reduced in place (its ``.grad`` would not be where the reduction reads).
+        """
+        if self.iteration > 0 or self.state is not ReducerState.IDLE:
+            raise RuntimeError(
+                f"the reduction can only be replaced before the first synced forward (rank {self.rank}, "
+                f"iteration {self.iteration}); build the sharded optimizer right after the wrapper."
+            )
+        self.reduction = reduction
+        as_view = self.config.gradient_as_bucket_view
+        self.buckets = self.buckets.rebuilt(self.buckets.order, self.caps, as_view, False, pad_multiple)
+        self.initial_bucket_sizes = [s.nbytes for s in self.buckets.storages]
+        self._new_layout()
 
     def stats(self) -> DDPStats:
         rebuilt, hook = self.rebuild.done, self.reduction.name

@@ -66,6 +66,11 @@ class Reduction:
     hook: CommHook | None = None
     state: Any = None  # a comm hook's state
     reduces_lone_in_place = False  # may a lone large gradient be reduced in its own .grad?
+    takes_comm_hook = True  # may register_comm_hook replace it?
+    joinable = True  # can a joined rank shadow it with start_zeros?
+
+    def adopt_buckets(self, buckets: BucketSet) -> None:
+        """The reducer's buckets were (re)built: a reduction that keeps per-bucket state rebuilds it."""
 
     def start(self, context: LaunchContext, b: int) -> Started:
         raise NotImplementedError

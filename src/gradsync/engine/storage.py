@@ -60,11 +60,14 @@ class BucketStorage:
         sparse: bool,
         lone_in_place: bool = False,
         dtype: torch.dtype | None = None,
+        pad_multiple: int = 1,
     ):
         """``lone_in_place``: a one-parameter dense bucket is normally reduced in that parameter's
         ``.grad`` (``untouched``), so its flat buffer is allocated uninitialised and costs no resident
         memory until a fallback writes it (every path writes the whole buffer before reading it).
-        ``dtype``: the flat buffer's, when reductions run in another precision than the parameters'."""
+        ``dtype``: the flat buffer's, when reductions run in another precision than the parameters'.
+        ``pad_multiple``: the flat buffer is zero-padded to a multiple of it, so that it cuts into
+        that many equal shards (a reduce-scatter over the group; engine/sharding.py)."""
         dtype = dtype or params[0].dtype
         self.untouched = lone_in_place and not sparse and len(params) == 1 and dtype == params[0].dtype
         self.param_indices = param_indices
@@ -81,7 +84,8 @@ class BucketStorage:
             self.views: list[torch.Tensor] = []
         else:
             allocate = torch.empty if self.untouched else torch.zeros
-            self.flat = allocate(total, dtype=dtype, device=params[0].device)
+            padded = -(-total // pad_multiple) * pad_multiple
+            self.flat = allocate(padded, dtype=dtype, device=params[0].device)
             self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
         self._data_ptr = self.flat.data_ptr()
         # See [Note: one pass per gradient] in bucket_set.py. benchmarks/studies/copy_in.py measured the

@@ -25,6 +25,7 @@ from ..collectives.same_model import verify_same_parameters
 from ..engine import errors
 from ..engine.fused_optim import FusedOptimizer
 from ..engine.grad_bucket import check_comm_hook
+from ..engine.reduce_scatter import ReduceScatter
 from ..engine.reducer import Reducer, ReducerState
 from ..observability import liveness
 from ..observability.desync import DesyncDetector, Position
@@ -315,6 +316,12 @@ class DataParallelWrapper(nn.Module, Joinable):
                 f"({engine.reduction.name}) is already registered on this DistributedDataParallel (rank "
                 f"{engine.rank}); compose hooks inside one function instead."
             )
+        if not engine.reduction.takes_comm_hook:
+            raise RuntimeError(
+                f"register_comm_hook: this DistributedDataParallel's buckets are reduced by a sharded optimizer "
+                f"(gradsync.zero.ShardedOptimizer, rank {engine.rank}), which takes no comm hook yet; register hooks "
+                "on a DistributedDataParallel without one."
+            )
         if engine.iteration > 0 or engine.state is not ReducerState.IDLE:
             raise RuntimeError(
                 f"register_comm_hook was called after training started (rank {engine.rank}, "
@@ -338,7 +345,9 @@ class DataParallelWrapper(nn.Module, Joinable):
         )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        uneven_inputs.check_can_join(self.skip_all_reduce_unused_params, self.engine.desync is not None)
+        engine = self.engine
+        skip, desync = self.skip_all_reduce_unused_params, engine.desync is not None
+        uneven_inputs.check_can_join(skip, desync, engine.reduction.joinable)
         self._join_divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         return uneven_inputs.DDPJoinHook(self)
 
@@ -352,6 +361,11 @@ class DataParallelWrapper(nn.Module, Joinable):
 
     def _fuse_optimizer(self, optimizer: FusedOptimizer) -> None:
         """Step ``optimizer`` bucket by bucket as each reduction completes (engine/fused_optim.py)."""
+        if isinstance(self.engine.reduction, ReduceScatter):
+            raise NotImplementedError(
+                "_register_fused_optim cannot be combined with a sharded optimizer (gradsync.zero.ShardedOptimizer), "
+                f"which steps the shards itself (rank {self.engine.rank}); use one of the two."
+            )
         self._fused_optimizer = optimizer
         self.engine.fused_optimizer = optimizer
 

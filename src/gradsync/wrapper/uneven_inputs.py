@@ -86,7 +86,7 @@ class DDPJoinHook(JoinHook):
         ddp._broadcast_module_state(src, include_buffers=ddp.forward_sync_buffers)
 
 
-def check_can_join(skip_all_reduce_unused_params: bool, desync_on: bool) -> None:
+def check_can_join(skip_all_reduce_unused_params: bool, desync_on: bool, reduction_joinable: bool = True) -> None:
     if skip_all_reduce_unused_params:
         raise RuntimeError(
             "skip_all_reduce_unused_params cannot be combined with join: a joined rank does not know "
@@ -97,6 +97,11 @@ def check_can_join(skip_all_reduce_unused_params: bool, desync_on: bool) -> None
         raise RuntimeError(
             "Desync detection cannot be combined with join: joined ranks deliberately issue "
             "different collectives than the ranks still training. Disable one of them."
+        )
+    if not reduction_joinable:
+        raise NotImplementedError(
+            "join is not supported with a sharded optimizer (gradsync.zero.ShardedOptimizer) yet: a joined rank "
+            "would have to shadow its reduce-scatters and all-gathers. Give every rank the same number of batches."
         )
 
 

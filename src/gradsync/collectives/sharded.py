@@ -1,0 +1,59 @@
+"""A reduce-scatter that costs what it should on gloo, and the all-gather that undoes it.
+
+[Note: reduce-scatter from all_to_all]
+gloo's ``reduce_scatter_single`` moves as many bytes as an all-reduce (it is one, then a chunk;
+shared/zero/NOTES.md §1), so a reduce-scatter followed by an all-gather would cost 1.5 times
+DDP's communication. ``all_to_all_single`` sends chunk ``r`` of a buffer to rank ``r`` and moves
+``(N - 1) / N`` of it per rank, as a true reduce-scatter does; each rank then sums the ``N``
+chunks it received itself, in rank order, so the result is deterministic (the same bits whatever
+the bucket layout) and, at two ranks, bitwise the sum an all-reduce gives (``a + b == b + a``).
+Reduce-scatter plus all-gather then move exactly what one all-reduce moves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 names it all_gather_single; older releases (from 2.4) all_gather_into_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class PendingReduceScatter:
+    """An ``all_to_all_single`` in flight; ``finish`` sums what arrived into this rank's shard."""
+
+    __slots__ = ("work", "received", "world_size")
+
+    def __init__(self, work: Any, received: torch.Tensor, world_size: int) -> None:
+        self.work = work
+        self.received = received
+        self.world_size = world_size
+
+    def wait(self) -> None:
+        self.work.wait()
+
+    def finish(self, shard: torch.Tensor, accumulate: bool = False) -> None:
+        """``shard`` (or ``shard +``, with ``accumulate``) the sum of every rank's chunk, in rank order."""
+        self.work.wait()
+        chunks = self.received.view(self.world_size, -1)
+        if accumulate:
+            shard.add_(chunks[0])
+        else:
+            shard.copy_(chunks[0])
+        for chunk in chunks[1:]:
+            shard.add_(chunk)
+        self.received = torch.empty(0, dtype=chunks.dtype)  # let the receive buffer go now
+
+
+def start_reduce_scatter(padded: torch.Tensor, group: dist.ProcessGroup) -> PendingReduceScatter:
+    """Start reducing ``padded`` (its length a multiple of the group's size) over ``group``."""
+    received = torch.empty_like(padded)
+    work = dist.all_to_all_single(received, padded, group=group, async_op=True)
+    return PendingReduceScatter(work, received, dist.get_world_size(group))
+
+
+def start_all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Any:
+    """Start filling ``output`` (``world_size`` times ``shard``'s length) with every rank's shard, in rank order."""
+    return _all_gather(output, shard, group=group, async_op=True)

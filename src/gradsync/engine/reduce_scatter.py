@@ -1,0 +1,125 @@
+"""``ReduceScatter``: each bucket reduce-scattered, each rank keeping the average of its range.
+
+The reduction a sharded optimizer (``gradsync.zero``) puts in the reducer in place of the
+all-reduce ([Note: shard each bucket] in sharding.py). A bucket starts from the same ready hook,
+in the same launch order: its gradients are copied into the (padded) flat buffer, divided by the
+world size, and sent by ``all_to_all_single`` ([Note: reduce-scatter from all_to_all] in
+collectives/sharded.py). At the end of backward each rank sums what it received into its shard
+of the bucket, ``grad_shards[b]``:
+
+- ``keep_full=False`` (ZeRO-2): that is all; ``.grad`` of the bucket's parameters is set to
+  ``None``: no full gradient is kept.
+- ``keep_full=True`` (ZeRO-1): the shards are all-gathered back into the flat buffer and written
+  to ``.grad`` as the all-reduce would; together the two collectives move what one all-reduce
+  moves, and the sum is the same on every rank whatever the bucket layout.
+
+Several synced backwards before the shards are consumed (``consumed()``, by the optimizer's step
+or ``zero_grad``) add up, as ``.grad`` does with DDP (ZeRO-1 through ``.grad`` itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..collectives.sharded import start_all_gather, start_reduce_scatter
+from ..observability.timing import IterationTimes, now
+from .bucket_set import BucketSet
+from .reductions import LaunchContext, Reduction, Started
+from .sharding import ShardLayout
+
+
+class ReduceScatter(Reduction):
+    takes_comm_hook = False  # a hook's bucket contract is the whole buffer; shards are not that yet
+    joinable = False  # a joined rank would have to shadow the optimizer's all-gathers too: not yet
+
+    def __init__(self, group: dist.ProcessGroup, keep_full: bool) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.keep_full = keep_full
+        self.layout: ShardLayout | None = None
+        self.grad_shards: list[torch.Tensor] = []  # per bucket: this rank's range of the average
+        # Per bucket: the shard holds results not yet consumed by a step (the next backward adds).
+        self.filled: list[bool] = []
+        # Per parameter (engine index): whether it got a gradient on some rank in the backwards
+        # since the shards were consumed; parameters that did not are not stepped (as DDP leaves
+        # their .grad None).
+        self.used: list[bool] = []
+        self._num_params = 0
+
+    def adopt_buckets(self, buckets: BucketSet) -> None:
+        if any(storage.sparse for storage in buckets.storages):
+            names = [i for s in buckets.storages if s.sparse for i in s.param_indices]
+            raise ValueError(
+                f"Parameters {names} (engine indices) produce sparse gradients, which cannot be sharded; "
+                "construct the model with nn.Embedding(sparse=False) to use a sharded optimizer."
+            )
+        self.layout = ShardLayout(buckets, self.world_size)
+        device, dtype = buckets.device, buckets.storages[0].flat.dtype
+        self.grad_shards = [torch.zeros(n, dtype=dtype, device=device) for n in self.layout.shard_numel]
+        self.filled = [False] * len(self.grad_shards)
+        self._num_params = len(buckets.params)
+        self.used = [False] * self._num_params
+
+    def start(self, context: LaunchContext, b: int) -> Started:
+        storage = context.buckets.storages[b]
+        try:
+            context.buckets.gather_grads(b, context.as_view, context.unused, context.names, context.take_divisor())
+        except (RuntimeError, ValueError) as error:
+            return Started(None, [f"{error} ({context.where})"])
+        try:
+            return Started(start_reduce_scatter(storage.flat, self.group), [])
+        except RuntimeError as error:  # a dead peer can fail the launch itself
+            return Started(None, [f"reduce-scatter failed on bucket {b}: {error}"])
+
+    def start_zeros(self, buckets: BucketSet, b: int) -> Any:
+        raise NotImplementedError("a sharded optimizer's reduce-scatter cannot be shadowed by a joined rank yet")
+
+    def finish(
+        self,
+        buckets: BucketSet,
+        launched: list[Any],
+        as_view: bool,
+        globally_used: list[bool] | None,
+        unused: set[int],
+        times: IterationTimes,
+        after_bucket: Callable[[int], None] | None,
+    ) -> list[str]:
+        errors: list[str] = []
+        gathers: list[Any] = []
+        for b, pending in enumerate(launched):
+            if pending is None:
+                gathers.append(None)
+                continue  # skipped (every parameter unused) or failed to start: nothing arrived
+            try:
+                # ZeRO-1 accumulates in .grad, as DDP does; ZeRO-2 has no .grad to accumulate in.
+                pending.finish(self.grad_shards[b], accumulate=self.filled[b] and not self.keep_full)
+                times.bucket_done[b] = times.bucket_done[b] or now()
+            except Exception as error:  # noqa: BLE001 - reported with the bucket named
+                errors.append(f"reduce-scatter failed on bucket {b}: {error}")
+                gathers.append(None)
+                continue
+            self.filled[b] = True
+            for i in buckets.storages[b].param_indices:
+                self.used[i] = self.used[i] or globally_used is None or globally_used[i]
+            if self.keep_full:
+                gathers.append(start_all_gather(buckets.storages[b].flat, self.grad_shards[b], self.group))
+            else:
+                gathers.append(None)
+                for param in buckets.storages[b].params:
+                    param.grad = None  # ZeRO-2 keeps no full gradient
+        if self.keep_full:
+            errors.extend(buckets.write_back(gathers, as_view, globally_used, unused, None, times))
+        else:
+            times.reductions_done = max(times.bucket_done, default=0.0) or now()
+            buckets.begin_iteration()
+        return errors
+
+    def consumed(self) -> None:
+        """The optimizer stepped on the shards (or ``zero_grad`` cleared them): the next backward overwrites."""
+        self.filled = [False] * len(self.filled)
+        self.used = [False] * self._num_params

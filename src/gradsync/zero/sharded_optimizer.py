@@ -1,0 +1,360 @@
+"""``ShardedOptimizer``: optimizer state and gradients sharded over the ranks (ZeRO-1 and ZeRO-2).
+
+    ddp = gradsync.DistributedDataParallel(model)
+    optimizer = gradsync.zero.ShardedOptimizer(ddp, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss_fn(ddp(x), y).backward()     # stage 2: each bucket reduce-scattered as it fills
+        optimizer.step()                  # this rank's shard stepped; all-gathers start
+
+[Note: one all-reduce's cost]
+Each bucket's flat buffer is cut into one range per rank ([Note: shard each bucket] in
+engine/sharding.py). In backward a bucket is reduce-scattered, not all-reduced
+(engine/reduce_scatter.py); the step updates this rank's range of every bucket only, so the
+optimizer state of the other ranges does not exist here; then one all-gather per bucket brings
+every rank's updated range back ([Note: parameters gathered in place] in param_buffers.py), overlapping
+the next forward. Reduce-scatter and all-gather together move what one all-reduce moves.
+
+What ``.grad`` holds after backward:
+
+- ``stage=2``: ``None``. The average of this rank's range is in the reducer's shard of each
+  bucket; nothing else of the gradient is kept. ``step`` consumes it (a second ``step`` without a
+  backward in between changes nothing); several backwards before a ``step`` add up.
+- ``stage=1``: the full average, as with DDP (reduce-scatter, then all-gather of the shards).
+
+Per rank, with fp32 parameters and Adam, bytes per parameter: stage 2 4 + 12/N, stage 1 8 + 8/N
+(plain DDP 16-20). Not supported yet (they raise): comm hooks, ``join``, ``mixed_precision``,
+``_register_fused_optim``, the fault-tolerant mode, sparse gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..collectives.broadcast import broadcast_int_list
+from ..engine.reduce_scatter import ReduceScatter
+from ..engine.reductions import AllReduce
+from ..engine.sharding import Piece, ShardLayout, memory_order
+from ..wrapper.data_parallel import DataParallelWrapper
+from .elementwise import check_elementwise
+from .param_buffers import ParamBuffers, weakly
+from .state_exchange import PieceState, exchange, gather_full, pieces_from_full
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """``optimizer_class`` over ``ddp``'s parameters, each rank stepping its shard of every bucket."""
+
+    def __init__(
+        self,
+        ddp: DataParallelWrapper,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: Iterable[Any] | None = None,
+        stage: int = 2,
+        *,
+        elementwise: bool | None = None,
+        overlap_param_gather: bool = False,
+        state_dict_timeout_s: float = 120.0,
+        **defaults: Any,
+    ) -> None:
+        """``params``: all of ``ddp``'s parameters, or torch's param-group dicts over them.
+        ``elementwise``: vouch for an optimizer class gradsync does not know (elementwise.py).
+        ``overlap_param_gather``: the parameters' all-gathers after a step overlap the next forward
+        instead of finishing inside ``step`` ([Note: parameters gathered in place] in param_buffers.py
+        says what that asks of code reading parameters between a step and the next forward).
+        ``state_dict_timeout_s``: how long ``state_dict`` waits for every rank to call it."""
+        _check_usable(ddp, optimizer_class, stage, elementwise)
+        self._ddp = ddp
+        self._engine = engine = ddp.engine
+        self.stage = stage
+        self.overlap_param_gather = overlap_param_gather
+        self._optimizer_class = optimizer_class
+        self._kwargs = defaults
+        probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # bad arguments fail here
+        groups = _param_groups(ddp, params)
+        super().__init__(groups, probe.defaults)
+        self._index = {id(p): i for i, p in enumerate(engine.params)}
+        self._group = ddp.process_group
+        self._rank = dist.get_rank(self._group)
+        ranks = [dist.get_global_rank(self._group, r) for r in range(dist.get_world_size(self._group))]
+        self._timeout = timedelta(seconds=state_dict_timeout_s)
+        self._helper = dist.new_group(ranks, backend="gloo", timeout=self._timeout)  # state_dict's check
+        self._reduction = ReduceScatter(self._group, keep_full=stage == 1)
+        engine.use_reduction(self._reduction, pad_multiple=dist.get_world_size(self._group))
+        self._params = ParamBuffers(ddp.module, engine.params, self._group)
+        self._layout: ShardLayout = self._reduction.layout
+        self._params.adopt(engine.buckets, self._layout)
+        self._buckets = engine.buckets
+        self._order: list[int] | None = None  # the gather order, once the ranks agreed on one
+        self._pieces: list[Piece] = []
+        self._tensors: list[torch.Tensor] = []  # the inner optimizer's parameters: one view per piece
+        self._inner = self._build_inner({})
+        this = weakref.ref(self)  # weakly, so that a deepcopy of the module does not copy the optimizer
+        self._hooks = [
+            ddp.module.register_forward_pre_hook(weakly(this, "_before_forward"), prepend=True),
+            ddp.register_forward_hook(weakly(this, "_after_forward")),
+        ]
+        self._finished_init = True
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_engine()
+        self._params.wait_all()  # the step writes the parameters; no gather may still be writing them
+        self._bind_grads()
+        for outer, inner in zip(self.param_groups, self._inner.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})  # LR schedulers change outer
+        self._inner.step()
+        if self.stage == 2:
+            self._reduction.consumed()
+        self._unbind_grads()
+        self._params.start(self._gather_order())
+        if not self.overlap_param_gather:
+            self._params.wait_all()
+        return loss
+
+    def wait_for_params(self) -> None:
+        """Wait for the all-gathers of the last step: afterwards every parameter is whole on this rank.
+
+        Only needed with ``overlap_param_gather=True``, by code that reads parameters between a step
+        and the next forward (an EMA of the weights); a local wait, no collective.
+        """
+        self._params.wait_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
+        self._reduction.consumed()
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Scale the gradients so that their global norm is at most ``max_norm``; the norm before.
+
+        Stage 1 holds the full gradient on every rank and calls torch's ``clip_grad_norm_``; stage 2
+        sums over this rank's shards and all-reduces one scalar (the padding is never counted).
+        """
+        self._check_engine()
+        if self.stage == 1:
+            params = [p for group in self.param_groups for p in group["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        self._bind_grads()
+        grads = [t.grad for t in self._tensors if t.grad is not None]
+        norm_type = float(norm_type)
+        device = self._engine.buckets.device
+        if norm_type == math.inf:
+            local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
+            total = local.reshape(1).to(device)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self._group)
+        else:
+            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+            total = local.reshape(1).to(device)
+            dist.all_reduce(total, group=self._group)
+            total = total.pow(1.0 / norm_type)
+        norm = total[0].to(grads[0].dtype if grads else torch.float32)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        self._unbind_grads()
+        return norm
+
+    # ------------------------------------------------------------------ pieces and their gradients
+    def _build_inner(self, state: PieceState) -> torch.optim.Optimizer:
+        self._pieces = self._layout.pieces(self._rank)
+        self._tensors = [self._params.own_range(p.bucket).narrow(0, p.shard_start, p.length) for p in self._pieces]
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in self.param_groups]
+        for piece, tensor in zip(self._pieces, self._tensors):
+            g = group_of.get(id(self._engine.params[piece.param]))
+            if g is not None:
+                inner_groups[g]["params"].append(tensor)
+        inner = self._optimizer_class(inner_groups, **self._kwargs)
+        for piece, tensor in zip(self._pieces, self._tensors):
+            if piece in state:
+                inner.state[tensor] = state[piece]
+        return inner
+
+    def _piece_state(self) -> PieceState:
+        return {p: dict(self._inner.state[t]) for p, t in zip(self._pieces, self._tensors) if t in self._inner.state}
+
+    def _bind_grads(self) -> None:
+        shards, used = self._reduction.grad_shards, self._reduction.used
+        for piece, tensor in zip(self._pieces, self._tensors):
+            if self.stage == 2:
+                grad = shards[piece.bucket].narrow(0, piece.shard_start, piece.length) if used[piece.param] else None
+            else:
+                full = self._engine.params[piece.param].grad
+                grad = None if full is None else memory_order(full).narrow(0, piece.param_start, piece.length)
+            tensor.grad = grad
+
+    def _unbind_grads(self) -> None:
+        for tensor in self._tensors:
+            tensor.grad = None
+
+    # ------------------------------------------------------------------ layout and gathers
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """The bucket rebuild after the first iteration gives new buckets: parameters and state follow."""
+        if self._engine.buckets is not self._buckets:
+            self._check_engine()
+            with torch.no_grad():
+                state = self._piece_state()
+                old, new = self._layout, self._reduction.layout
+                self._params.adopt(self._engine.buckets, new)
+                self._layout, self._buckets, self._order = new, self._engine.buckets, None
+                moved = exchange(state, old, new, self._group, self._engine.buckets.device)
+                self._inner = self._build_inner(moved)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._params.recording:
+            self._recorded = self._params.end_recording()
+
+    def _gather_order(self) -> list[int]:
+        """The buckets in the order the first forward used them, rank 0's (every rank must gather alike)."""
+        if self._order is None:
+            local = getattr(self, "_recorded", None) or self._params.order
+            device = self._engine.buckets.device
+            self._order = broadcast_int_list(local, dist.get_global_rank(self._group, 0), self._group, device)
+        return self._order
+
+    def _check_engine(self) -> None:
+        if self._ddp.engine is not self._engine:
+            raise RuntimeError(
+                "The DistributedDataParallel's reducer was replaced (set_static_graph, a new process group) after "
+                "this ShardedOptimizer was built, so the new one does not reduce-scatter. Build the "
+                "ShardedOptimizer after those calls."
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch's plain per-parameter format, loadable by an unwrapped ``optimizer_class`` in one process.
+
+        Collective: every rank must call it (it gathers every rank's shards). A rank calling it alone
+        gets an error within ``state_dict_timeout_s`` naming the ranks that did not, instead of a hang.
+        """
+        self._check_engine()
+        try:
+            dist.monitored_barrier(self._helper, timeout=self._timeout, wait_all_ranks=True)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"ShardedOptimizer.state_dict() is collective: every rank must call it, but not every rank did "
+                f"within {self._timeout.total_seconds():.0f}s (seen on rank {self._rank}): {error}. Call it on "
+                "every rank and save from rank 0."
+            ) from error
+        full = gather_full(self._piece_state(), self._layout, self._engine.params, self._group)
+        numbering: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            indices = [numbering.setdefault(id(p), len(numbering)) for p in group["params"]]
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": indices})
+        state = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                values = full.get(self._index[id(param)])
+                if values is not None:
+                    state[numbering[id(param)]] = values
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's plain format (from ``state_dict``, or from an unsharded optimizer); no collective."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups)):
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+            )
+        full: dict[int, dict[str, Any]] = {}
+        for saved, mine in zip(groups, self.param_groups):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+            for index, param in zip(saved["params"], mine["params"]):
+                if index in state_dict["state"]:
+                    full[self._index[id(param)]] = state_dict["state"][index]
+        self._inner = self._build_inner(pieces_from_full(full, self._pieces, self._engine.params))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_finished_init", False):
+            raise NotImplementedError(
+                "ShardedOptimizer cannot take parameter groups after construction: the shards are laid out over "
+                "the wrapper's buckets. Pass every group to the constructor (params=[{...}, {...}])."
+            )
+        super().add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(stage={self.stage}, {self._inner!r})"
+
+
+def _check_usable(ddp: Any, optimizer_class: type, stage: int, elementwise: bool | None) -> None:
+    if not isinstance(ddp, DataParallelWrapper):
+        raise TypeError(f"ShardedOptimizer shards over a gradsync.DistributedDataParallel, got {type(ddp).__name__}.")
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (gradients too), got {stage!r}.")
+    check_elementwise(optimizer_class, elementwise)
+    engine = ddp.engine
+    if engine.iteration > 0 or engine.synced_forwards > 0:
+        raise RuntimeError(
+            f"ShardedOptimizer must be built before the first forward of its DistributedDataParallel (rank "
+            f"{engine.rank} is at iteration {engine.iteration}): it lays the shards over the buckets."
+        )
+    if isinstance(engine.reduction, ReduceScatter):
+        raise RuntimeError(
+            f"This DistributedDataParallel already has a ShardedOptimizer (rank {engine.rank}); one per wrapper. "
+            "Pass every parameter group to that one."
+        )
+    unsupported = []
+    if not isinstance(engine.reduction, AllReduce):
+        unsupported.append(f"a comm hook ({engine.reduction.name})" if engine.reduction.name else "another reduction")
+    if engine.fused_optimizer is not None:
+        unsupported.append("_register_fused_optim")
+    if engine.config.keep_local_grads:
+        unsupported.append("the fault-tolerant mode (gradsync.elastic)")
+    if engine.config.reduce_dtype is not None:
+        unsupported.append("mixed_precision")
+    if unsupported:
+        raise NotImplementedError(
+            f"ShardedOptimizer does not support {', '.join(unsupported)} yet (rank {engine.rank}); use plain DDP "
+            "with an unsharded optimizer for this configuration."
+        )
+
+
+def _param_groups(ddp: DataParallelWrapper, params: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """torch's param-group dicts over ``ddp``'s reduced parameters (all of them by default)."""
+    reduced = {id(p) for p in ddp.engine.params}
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    if params is None:
+        return [{"params": list(ddp.engine.params)}]
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    for group in groups:
+        members = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+        outside = [names.get(id(p), f"a {tuple(p.shape)} tensor") for p in members if id(p) not in reduced]
+        if outside:
+            raise ValueError(
+                f"ShardedOptimizer can only step parameters its DistributedDataParallel reduces; {outside} are not "
+                "among them (frozen, ignored, or of another module). Pass ddp.parameters() that require grad."
+            )
+        group["params"] = members
+    return groups
