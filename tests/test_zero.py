@@ -374,6 +374,10 @@ def _misuse() -> list[str]:
     with pytest.raises(NotImplementedError, match="join is not supported with a sharded optimizer"):
         with ddp.join():
             pass
+    with pytest.raises(NotImplementedError, match="_register_fused_optim cannot be combined with a sharded optimizer"):
+        ddp._register_fused_optim(torch.optim.SGD, 0.1)
+    with pytest.raises(RuntimeError, match="already has a ShardedOptimizer"):
+        ShardedOptimizer(ddp, torch.optim.SGD, lr=0.1)
     _train(ddp, optimizer, "mlp", 1)
     with pytest.raises(RuntimeError, match="must be built before the first forward"):
         ShardedOptimizer(ddp, torch.optim.SGD, lr=0.1)
