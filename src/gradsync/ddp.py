@@ -202,7 +202,7 @@ class DistributedDataParallel(DataParallelWrapper, TorchDDP):
     def _default_broadcast_coalesced(
         self, bufs: list[torch.Tensor] | None = None, bucket_size: int | None = None, authoritative_rank: int = 0
     ) -> None:
-        tensors = self._synced_buffers if bufs is None else list(bufs)
+        tensors = self._module_state.buffers if bufs is None else list(bufs)
         self._distributed_broadcast_coalesced(tensors, bucket_size, authoritative_rank)
 
     def _distributed_broadcast_coalesced(

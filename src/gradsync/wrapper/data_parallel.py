@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..collectives.broadcast import broadcast_coalesced
 from ..collectives.same_model import verify_same_parameters
 from ..engine import errors
 from ..engine.fused_optim import FusedOptimizer
@@ -28,7 +27,7 @@ from ..engine.grad_bucket import check_comm_hook
 from ..engine.reduce_scatter import ReduceScatter
 from ..engine.reducer import Reducer, ReducerState
 from ..observability import liveness
-from ..observability.desync import DesyncDetector, Position
+from ..observability.desync import DesyncDetector
 from ..observability.divergence import DivergenceCheck
 from ..observability.labels import label
 from ..observability.stats import DDPStats
@@ -40,6 +39,7 @@ from .bucket_caps import auto_bucket_caps, default_bucket_caps, prefers_few_buck
 from .device import move_to_device
 from .guard import ParameterGuard
 from .mixed_precision import MixedPrecision
+from .module_state import ModuleState
 
 
 class DataParallelWrapper(nn.Module, Joinable):
@@ -95,7 +95,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         self._mixed_precision = None
         if mixed_precision is not None:  # casts the buffers, so before they are listed and broadcast
             self._mixed_precision = MixedPrecision(mixed_precision, module, synced.ignored(module))
-        self._synced_buffers = synced.buffers(module)
+        self._module_state = ModuleState([p for _, p in named_params], synced.buffers(module))
         # Modules that communicate inside forward cannot be shadowed by joined ranks.
         self._forward_collectives = [n for n, m in module.named_modules() if isinstance(m, SyncBatchNorm)]
         self._guard = ParameterGuard(module)
@@ -166,10 +166,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         return dist.get_global_rank(self.process_group, 0)
 
     def _broadcast_module_state(self, src: int, include_buffers: bool) -> None:
-        state = [p.detach() for _, p in self._named_params]
-        if include_buffers:
-            state += self._synced_buffers
-        broadcast_coalesced(state, src, self.process_group)
+        self._module_state.broadcast(src, self.process_group, include_buffers)
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -247,7 +244,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         return output
 
     def will_sync_module_buffers(self) -> bool:
-        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._synced_buffers)
+        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_state.buffers)
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -258,29 +255,15 @@ class DataParallelWrapper(nn.Module, Joinable):
         self.forward_sync_buffers = value
 
     def _sync_buffers_from(self, candidate: bool) -> None:
-        """Broadcast buffers from rank 0, or under join from the largest still-active rank."""
-        with label("gradsync::sync_buffers"):
-            engine = self.engine
-            if engine.desync is not None:
-                numel = sum(b.numel() for b in self._synced_buffers)
-                engine.desync.check(Position("buffer broadcast", engine.synced_forwards + 1, numel, "mixed"))
-            if self._join_config.enable:
-                device = engine.buckets.device
-                src = uneven_inputs.find_common_rank(dist.get_rank(), candidate, self.process_group, device)
-            else:
-                src = self._authoritative_rank()
-            engine.phase = "the buffer broadcast before forward"
-            if engine.tolerance.failures:
-                return  # fault-tolerant mode: this step failed already ([Note: a step is decided before it is written])
-            try:
-                # A buffer saved for backward (e.g. by an eval-mode BatchNorm) is overwritten
-                # with equal values on the source rank; keep autograd's version check quiet.
-                with synced.preserve_version_counters(self._synced_buffers):
-                    broadcast_coalesced(self._synced_buffers, src, self.process_group)
-            except RuntimeError as error:
-                if engine.tolerance.note(f"the buffer broadcast failed: {error}"):
-                    return
-                raise RuntimeError(engine.collective_failure_message(str(error))) from error
+        """Broadcast buffers from rank 0, or under join from the largest rank that is a ``candidate``."""
+
+        def source() -> int:
+            if not self._join_config.enable:
+                return self._authoritative_rank()
+            device = self.engine.buckets.device
+            return uneven_inputs.find_common_rank(dist.get_rank(), candidate, self.process_group, device)
+
+        self._module_state.sync_buffers(self.engine, self.process_group, source)
 
     # ------------------------------------------------------------------ user API
     @contextmanager
@@ -386,7 +369,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         named = [(n, p) for n, p in self._named_params]
         if include_buffers:
             names = {id(b): n for n, b in self.module.named_buffers()}
-            named += [(names.get(id(b), "buffer"), b) for b in self._synced_buffers]
+            named += [(names.get(id(b), "buffer"), b) for b in self._module_state.buffers]
         self._divergence = DivergenceCheck(every, named, self.process_group)
 
     def enable_desync_detection(self, timeout_s: float = 60.0) -> None:
