@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from ..observability.desync import DesyncDetector
 from .agreement import agree_on_order
-from .bucket_set import BucketSet
 
 
 class BucketRebuild:
@@ -41,12 +40,11 @@ class BucketRebuild:
         local = self.order + [i for i in reversed(range(self.count)) if i not in seen]
         return agree_on_order(local, group, device, desync, forwards)
 
-    def apply(self, buckets: BucketSet, order: list[int], caps: list[int], as_view: bool, in_place: bool) -> BucketSet:
-        """The buckets rebuilt in ``order``; nothing is recorded or rebuilt after this."""
+    def apply(self) -> None:
+        """The buckets are being rebuilt in the agreed order; nothing is recorded or rebuilt after this."""
         self.pending = False
         self.done = True
         self.order = []
-        return buckets.rebuilt(order, caps, as_view, in_place)
 
     def adopt(self, rebuilt: bool) -> None:
         """Another rank's layout was adopted ([Note: a joiner's buckets] in elastic/heal.py)."""

@@ -208,14 +208,8 @@ class Reducer:
             return
         if self.rebuild.pending and self.iteration == 0:
             self.rebuild.order.append(index)
-        ready[index] = True
-        bucket = self.buckets.bucket_of[index]
-        pending = current.pending
-        pending[bucket] -= 1
-        if pending[bucket] == 0:
-            current.times.bucket_ready[bucket] = now()
-            if bucket == current.next_bucket:
-                self._launch_ready_buckets()
+        if current.mark_ready(index):
+            self._launch_ready_buckets()
 
     def _on_static_grad(self, index: int) -> None:
         """static_graph: a parameter is ready once its hook fired as often as in the first backward
@@ -240,22 +234,12 @@ class Reducer:
             self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
-        current = self.current
-        current.ready[index] = True
-        bucket = self.buckets.bucket_of[index]
-        current.pending[bucket] -= 1
-        if current.pending[bucket] == 0:
-            current.times.bucket_ready[bucket] = now()
-            if bucket == current.next_bucket:
-                self._launch_ready_buckets()
+        if self.current.mark_ready(index):
+            self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
-        current = self.current
-        pending = current.pending
-        count = len(pending)
-        while current.next_bucket < count and pending[current.next_bucket] == 0:
-            self._launch(current.next_bucket)
-            current.next_bucket += 1
+        for b in self.current.launchable():
+            self._launch(b)
 
     def _launch(self, b: int) -> None:
         """Start bucket ``b``: its turn has come ([Note: launch order])."""
@@ -414,10 +398,8 @@ class Reducer:
                 return False
             raise RuntimeError(self.collective_failure_message(str(error))) from error
         self.current.launched = []  # the last iteration's work handles still reference the old buffers
-        in_place = self.reduction.reduces_lone_in_place and not self.config.keep_local_grads
-        as_view = self.config.gradient_as_bucket_view
-        self.buckets = self.rebuild.apply(self.buckets, order, self.caps, as_view, in_place)
-        self._new_layout()
+        self.rebuild.apply()
+        self._build_buckets(order)
         logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))
         return True
 
@@ -428,12 +410,16 @@ class Reducer:
     def adopt_layout(self, order: list[int], caps: list[int], rebuilt: bool) -> None:
         """Build the buckets another rank has ([Note: a joiner's buckets] in elastic/heal.py)."""
         self.caps = list(caps)
-        as_view = self.config.gradient_as_bucket_view
-        self.buckets = self.buckets.rebuilt(order, self.caps, as_view, not self.config.keep_local_grads)
         self.rebuild.adopt(rebuilt)
-        self._new_layout()
+        self._build_buckets(order)
 
-    def _new_layout(self) -> None:
+    def _build_buckets(self, order: list[int], pad_multiple: int | None = None) -> None:
+        """New buckets in ``order`` (the one way they change after construction): a lone large
+        gradient is reduced in place only where the reduction allows it and the fault-tolerant mode
+        does not keep local gradients; the reduction and the records follow the new layout."""
+        in_place = self.reduction.reduces_lone_in_place and not self.config.keep_local_grads
+        as_view = self.config.gradient_as_bucket_view
+        self.buckets = self.buckets.rebuilt(order, self.caps, as_view, in_place, pad_multiple)
         self.records.running.new_layout(len(self.buckets.storages))
         self.reduction.adopt_buckets(self.buckets)
         self._begin_pass()
@@ -487,10 +473,8 @@ class Reducer:
                 f"iteration {self.iteration}); build the sharded optimizer right after the wrapper."
             )
         self.reduction = reduction
-        as_view = self.config.gradient_as_bucket_view
-        self.buckets = self.buckets.rebuilt(self.buckets.order, self.caps, as_view, False, pad_multiple)
+        self._build_buckets(self.buckets.order, pad_multiple)
         self.initial_bucket_sizes = [s.nbytes for s in self.buckets.storages]
-        self._new_layout()
 
     def stats(self) -> DDPStats:
         rebuilt, hook = self.rebuild.done, self.reduction.name
