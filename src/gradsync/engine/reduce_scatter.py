@@ -45,11 +45,10 @@ class ReduceScatter(Reduction):
         self.grad_shards: list[torch.Tensor] = []  # per bucket: this rank's range of the average
         # Per bucket: the shard holds results not yet consumed by a step (the next backward adds).
         self.filled: list[bool] = []
-        # Per parameter (engine index): whether it got a gradient on some rank in the backwards
-        # since the shards were consumed; parameters that did not are not stepped (as DDP leaves
-        # their .grad None).
-        self.used: list[bool] = []
-        self._num_params = 0
+        # Per parameter (engine index): whether it got a gradient on some rank in the backwards since
+        # the shards were consumed; None: every one did (no find_unused_parameters). Parameters that
+        # did not, and those of buckets not filled, are not stepped (DDP leaves their .grad None).
+        self.used: list[bool] | None = None
 
     def adopt_buckets(self, buckets: BucketSet) -> None:
         if any(storage.sparse for storage in buckets.storages):
@@ -62,8 +61,7 @@ class ReduceScatter(Reduction):
         device, dtype = buckets.device, buckets.storages[0].flat.dtype
         self.grad_shards = [torch.zeros(n, dtype=dtype, device=device) for n in self.layout.shard_numel]
         self.filled = [False] * len(self.grad_shards)
-        self._num_params = len(buckets.params)
-        self.used = [False] * self._num_params
+        self.used = None
 
     def start(self, context: LaunchContext, b: int) -> Started:
         storage = context.buckets.storages[b]
@@ -91,6 +89,7 @@ class ReduceScatter(Reduction):
     ) -> list[str]:
         errors: list[str] = []
         gathers: list[Any] = []
+        self._note_used(globally_used, first=not any(self.filled))
         for b, pending in enumerate(launched):
             if pending is None:
                 gathers.append(None)
@@ -104,8 +103,6 @@ class ReduceScatter(Reduction):
                 gathers.append(None)
                 continue
             self.filled[b] = True
-            for i in buckets.storages[b].param_indices:
-                self.used[i] = self.used[i] or globally_used is None or globally_used[i]
             if self.keep_full:
                 gathers.append(start_all_gather(buckets.storages[b].flat, self.grad_shards[b], self.group))
             else:
@@ -119,7 +116,18 @@ class ReduceScatter(Reduction):
             buckets.begin_iteration()
         return errors
 
+    def _note_used(self, globally_used: list[bool] | None, first: bool) -> None:
+        """Used in this backward or an earlier one since the shards were consumed (None: all)."""
+        if first or globally_used is None:
+            self.used = None if globally_used is None else list(globally_used)
+        elif self.used is not None:
+            self.used = [a or b for a, b in zip(self.used, globally_used)]
+
+    def is_used(self, param: int, bucket: int) -> bool:
+        """Whether parameter ``param`` (in ``bucket``) has a gradient to step in the shards."""
+        return self.filled[bucket] and (self.used is None or self.used[param])
+
     def consumed(self) -> None:
         """The optimizer stepped on the shards (or ``zero_grad`` cleared them): the next backward overwrites."""
         self.filled = [False] * len(self.filled)
-        self.used = [False] * self._num_params
+        self.used = None

@@ -201,10 +201,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {p: dict(self._inner.state[t]) for p, t in zip(self._pieces, self._tensors) if t in self._inner.state}
 
     def _bind_grads(self) -> None:
-        shards, used = self._reduction.grad_shards, self._reduction.used
+        reduction = self._reduction
         for piece, tensor in zip(self._pieces, self._tensors):
             if self.stage == 2:
-                grad = shards[piece.bucket].narrow(0, piece.shard_start, piece.length) if used[piece.param] else None
+                shard = reduction.grad_shards[piece.bucket]
+                used = reduction.is_used(piece.param, piece.bucket)
+                grad = shard.narrow(0, piece.shard_start, piece.length) if used else None
             else:
                 full = self._engine.params[piece.param].grad
                 grad = None if full is None else memory_order(full).narrow(0, piece.param_start, piece.length)
