@@ -20,14 +20,8 @@ from gradsync import DistributedDataParallel as DDP
 from gradsync.zero import ShardedOptimizer
 
 from harness import run_distributed
-from models import UnusedBranch, all_gather_flat, global_batch, loss_fn, make_model, rank_world, shard
-
-
-def _groups(model: nn.Module, lr: float) -> list[dict]:
-    """Two param groups with different lr and weight decay: the shards straddle them."""
-    head = [p for n, p in model.named_parameters() if n.startswith("head")]
-    rest = [p for n, p in model.named_parameters() if not n.startswith("head")]
-    return [{"params": rest}, {"params": head, "lr": lr / 2, "weight_decay": 0.0}]
+from models import UnusedBranch, global_batch, loss_fn, make_model, rank_world, shard
+from zero_support import identical_across_ranks, max_relative_difference, two_groups
 
 
 def _pair(name: str, stage: int, optimizer: type, kwargs: dict, caps: float | None = None):
@@ -37,8 +31,8 @@ def _pair(name: str, stage: int, optimizer: type, kwargs: dict, caps: float | No
     reference_model = copy.deepcopy(model)
     ddp = DDP(model, **ddp_kwargs)
     reference = DDP(reference_model, **ddp_kwargs)
-    sharded = ShardedOptimizer(ddp, optimizer, _groups(model, kwargs["lr"]), stage=stage, **kwargs)
-    plain = optimizer(_groups(reference_model, kwargs["lr"]), **kwargs)
+    sharded = ShardedOptimizer(ddp, optimizer, two_groups(model, kwargs["lr"]), stage=stage, **kwargs)
+    plain = optimizer(two_groups(reference_model, kwargs["lr"]), **kwargs)
     return ddp, sharded, reference, plain
 
 
@@ -58,25 +52,13 @@ def _train(ddp: DDP, optimizer: torch.optim.Optimizer, name: str, steps: int, mi
         scheduler.step()
 
 
-def _max_relative_difference(a: nn.Module, b: nn.Module) -> float:
-    worst = 0.0
-    for p, q in zip(a.parameters(), b.parameters()):
-        worst = max(worst, ((p - q).abs().max() / q.abs().max().clamp_min(1e-12)).item())
-    return worst
-
-
-def _identical_across_ranks(model: nn.Module) -> bool:
-    replicas = all_gather_flat(list(model.parameters()))
-    return all(torch.equal(replicas[0], r) for r in replicas)
-
-
 def _parity(name: str, stage: int, optimizer: type, kwargs: dict, micro: int = 1, caps: float | None = None) -> dict:
     ddp, sharded, reference, plain = _pair(name, stage, optimizer, kwargs, caps)
     _train(ddp, sharded, name, 5, micro)
     _train(reference, plain, name, 5, micro)
     return {
-        "difference": _max_relative_difference(ddp.module, reference.module),
-        "identical": _identical_across_ranks(ddp.module),
+        "difference": max_relative_difference(ddp.module, reference.module),
+        "identical": identical_across_ranks(ddp.module),
         "rebuilt": ddp.engine.rebuilt,
         "buckets": len(ddp.engine.buckets.storages),
         "params": [p.detach().clone() for p in ddp.module.parameters()],
@@ -137,11 +119,11 @@ def _unused(stage: int) -> dict:
             torch.equal(p, q) for p, q in zip(model.unused.parameters(), before.unused.parameters())
         ),
         "sometimes_moved": not torch.equal(model.sometimes.weight, before.sometimes.weight),
-        "difference": _max_relative_difference(model, reference_model),
+        "difference": max_relative_difference(model, reference_model),
         "same_as_ddp_where_unused": all(
             torch.equal(p, q) for p, q in zip(model.unused.parameters(), reference_model.unused.parameters())
         ),
-        "identical": _identical_across_ranks(model),
+        "identical": identical_across_ranks(model),
     }
 
 
@@ -182,7 +164,7 @@ def _permuted() -> dict:
             loss_fn(wrapper(shard(x, rank, world), flip=step % 2 == 1), shard(y, rank, world)).backward()
             optimizer.step()
     sharded.wait_for_params()  # read outside a forward: the last step's gathers may still be on the wire
-    return {"difference": _max_relative_difference(model, reference_model), "identical": _identical_across_ranks(model)}
+    return {"difference": max_relative_difference(model, reference_model), "identical": identical_across_ranks(model)}
 
 
 def test_a_forward_order_that_changes_still_waits_for_each_bucket() -> None:
@@ -225,7 +207,7 @@ def _clip(stage: int, norm_type: float) -> dict:
         norms.append((ours.item(), theirs.item()))
         sharded.step()
         plain.step()
-    return {"norms": norms, "difference": _max_relative_difference(ddp.module, reference.module)}
+    return {"norms": norms, "difference": max_relative_difference(ddp.module, reference.module)}
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
@@ -251,7 +233,7 @@ def _checkpoint(stage: int) -> dict:
     )
     # An unwrapped optimizer of the same class loads it, in this process alone.
     alone = copy.deepcopy(ddp.module)
-    loaded = torch.optim.AdamW(_groups(alone, ADAMW[1]["lr"]), **ADAMW[1])
+    loaded = torch.optim.AdamW(two_groups(alone, ADAMW[1]["lr"]), **ADAMW[1])
     loaded.load_state_dict(ours)
     # And the sharded optimizer loads the unsharded one's state, then trains on like it.
     sharded.load_state_dict(theirs)
@@ -264,7 +246,7 @@ def _checkpoint(stage: int) -> dict:
         "same_format": same_format,
         "close": close,
         "loaded_steps": [s["step"].item() for s in loaded.state_dict()["state"].values()],
-        "difference": _max_relative_difference(ddp.module, reference.module),
+        "difference": max_relative_difference(ddp.module, reference.module),
         "model_state_bytes": _saved_bytes(ddp.state_dict()) == _saved_bytes(reference.state_dict()),
     }
 
@@ -371,9 +353,6 @@ def _misuse() -> list[str]:
     optimizer = ShardedOptimizer(ddp, torch.optim.SGD, lr=0.1)
     with pytest.raises(RuntimeError, match="reduced by a sharded optimizer"):
         ddp.register_comm_hook(None, lambda state, bucket: None)
-    with pytest.raises(NotImplementedError, match="join is not supported with a sharded optimizer"):
-        with ddp.join():
-            pass
     with pytest.raises(NotImplementedError, match="_register_fused_optim cannot be combined with a sharded optimizer"):
         ddp._register_fused_optim(torch.optim.SGD, 0.1)
     with pytest.raises(RuntimeError, match="already has a ShardedOptimizer"):
@@ -414,7 +393,7 @@ def _state_size_and_copies(stage: int, static_graph: bool) -> dict:
         "state_numel": [int(c) for c in every],
         "params_numel": sum(p.numel() for p in model.parameters()),
         "ema_matches": torch.equal(ema(x), ddp.module(x)),
-        "difference": _max_relative_difference(model, reference_model),
+        "difference": max_relative_difference(model, reference_model),
     }
 
 

@@ -34,7 +34,7 @@ def agree_on_order(
     return broadcast_int_list(local, dist.get_global_rank(group, 0), group, device)
 
 
-def shadow_used_map(count: int, group: dist.ProcessGroup, device: torch.device) -> dist.Work:
-    """A joined rank's part of ``agree_on_used``: it used nothing."""
+def shadow_used_map(count: int, group: dist.ProcessGroup, device: torch.device) -> tuple[dist.Work, torch.Tensor]:
+    """A joined rank's part of ``agree_on_used``: it used nothing. The flags hold the others' map once waited."""
     used = torch.zeros(count, dtype=torch.int32, device=device)
-    return dist.all_reduce(used, group=group, async_op=True)
+    return dist.all_reduce(used, group=group, async_op=True), used

@@ -19,6 +19,7 @@ or ``zero_grad``) add up, as ``.grad`` does with DDP (ZeRO-1 through ``.grad`` i
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,6 @@ from .sharding import ShardLayout
 
 class ReduceScatter(Reduction):
     takes_comm_hook = False  # a hook's bucket contract is the whole buffer; shards are not that yet
-    joinable = False  # a joined rank would have to shadow the optimizer's all-gathers too: not yet
 
     def __init__(self, group: dist.ProcessGroup, keep_full: bool) -> None:
         self.group = group
@@ -49,6 +49,15 @@ class ReduceScatter(Reduction):
         # the shards were consumed; None: every one did (no find_unused_parameters). Parameters that
         # did not, and those of buckets not filled, are not stepped (DDP leaves their .grad None).
         self.used: list[bool] | None = None
+        self._partner: Callable[[], Any] | None = None  # a weak reference: the optimizer holds the engine
+
+    @property
+    def join_partner(self) -> Any:
+        """The sharded optimizer stepping these shards: a joined rank shadows its step too."""
+        return None if self._partner is None else self._partner()
+
+    def set_join_partner(self, partner: Any) -> None:
+        self._partner = weakref.ref(partner)
 
     def adopt_buckets(self, buckets: BucketSet) -> None:
         if any(storage.sparse for storage in buckets.storages):
@@ -75,7 +84,26 @@ class ReduceScatter(Reduction):
             return Started(None, [f"reduce-scatter failed on bucket {b}: {error}"])
 
     def start_zeros(self, buckets: BucketSet, b: int) -> Any:
-        raise NotImplementedError("a sharded optimizer's reduce-scatter cannot be shadowed by a joined rank yet")
+        return start_reduce_scatter(buckets.zeros_like_bucket(b), self.group)
+
+    def finish_shadow(self, buckets: BucketSet, pending: list[Any], globally_used: list[bool] | None) -> None:
+        """A joined rank still owns its range of every bucket: it keeps the others' average there.
+
+        Its shards are then what its optimizer steps (``join_partner``, in the join hook), so the
+        ranks still training get that range back from it in the all-gather. ZeRO-1 all-gathers
+        the shards as the training ranks do, into a scratch buffer: a joined rank has no ``.grad``
+        to write.
+        """
+        self._note_used(globally_used, first=not any(self.filled))
+        gathers = []
+        for b, work in enumerate(pending):
+            work.finish(self.grad_shards[b], accumulate=self.filled[b] and not self.keep_full)
+            self.filled[b] = True
+            if self.keep_full:
+                scratch = torch.empty_like(buckets.storages[b].flat)
+                gathers.append(start_all_gather(scratch, self.grad_shards[b], self.group))
+        for work in gathers:
+            work.wait()
 
     def finish(
         self,

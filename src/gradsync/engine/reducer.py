@@ -451,10 +451,12 @@ class Reducer:
         """A joined rank's part of one synced backward: every bucket, in order, with zeros."""
         pending = [self.reduction.start_zeros(self.buckets, b) for b in range(len(self.buckets.storages))]
         self.reduction.end_of_pass()
+        globally_used = self.usage.never_used
         if self.config.find_unused_parameters or (self.config.static_graph and self.iteration == 0):
-            pending.append(shadow_used_map(len(self.params), self.process_group, self.buckets.device))
-        for work in pending:
+            work, flags = shadow_used_map(len(self.params), self.process_group, self.buckets.device)
             work.wait()
+            globally_used = [bool(u) for u in flags.tolist()]
+        self.reduction.finish_shadow(self.buckets, pending, globally_used)
         self.iteration += 1
 
     # ------------------------------------------------------------------ hooks and reports

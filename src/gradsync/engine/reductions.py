@@ -67,7 +67,8 @@ class Reduction:
     state: Any = None  # a comm hook's state
     reduces_lone_in_place = False  # may a lone large gradient be reduced in its own .grad?
     takes_comm_hook = True  # may register_comm_hook replace it?
-    joinable = True  # can a joined rank shadow it with start_zeros?
+    # Who else a joined rank must shadow with this reduction (a sharded optimizer's step), or None.
+    join_partner: Any = None
 
     def adopt_buckets(self, buckets: BucketSet) -> None:
         """The reducer's buckets were (re)built: a reduction that keeps per-bucket state rebuilds it."""
@@ -81,6 +82,11 @@ class Reduction:
 
     def end_of_pass(self) -> None:
         """Every bucket of this pass was launched or skipped."""
+
+    def finish_shadow(self, buckets: BucketSet, pending: list[Any], globally_used: list[bool] | None) -> None:
+        """A joined rank's end of backward: wait for what ``start_zeros`` started (its ``.grad`` stays)."""
+        for work in pending:
+            work.wait()
 
     def finish(
         self,

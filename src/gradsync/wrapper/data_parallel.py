@@ -321,16 +321,18 @@ class DataParallelWrapper(nn.Module, Joinable):
 
         Ranks that run out of data shadow the collectives of those still training; with
         ``divide_by_initial_world_size=False`` gradients are averaged over the ranks still
-        active instead of the whole group.
+        active instead of the whole group. A sharded optimizer over this wrapper joins with it.
         """
+        partner = self.engine.reduction.join_partner
+        joinables = [self] if partner is None else [self, partner]
         return Join(
-            [self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size
+            joinables, enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size
         )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         engine = self.engine
         skip, desync = self.skip_all_reduce_unused_params, engine.desync is not None
-        uneven_inputs.check_can_join(skip, desync, engine.reduction.joinable)
+        uneven_inputs.check_can_join(skip, desync)
         self._join_divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         return uneven_inputs.DDPJoinHook(self)
 

@@ -13,6 +13,11 @@ issue exactly the collectives an active rank issues in one iteration, in the sam
     one collective per bucket, in bucket order                   same with zeros
     used-parameter map (find_unused_parameters)                  same with zeros
 
+With a sharded optimizer (``gradsync.zero``) the joined rank still owns its range of every
+bucket, so after the shadowed backward it steps that range with the others' average
+(the reduction's ``join_partner``) and takes part in the parameters' all-gathers, as the
+ranks still training do in their ``optimizer.step()``.
+
 When every rank has joined, ``post_hook`` broadcasts the model of the last rank to join, so all
 replicas end identical.
 """
@@ -63,11 +68,24 @@ def all_ranks_agree_to_sync(wants_sync: bool, group: dist.ProcessGroup, device: 
     return bool(flag.item())
 
 
+class JoinPartner(Protocol):
+    """What else a joined rank shadows each synced iteration: a sharded optimizer's step."""
+
+    def join_started(self) -> None: ...
+
+    def shadow_step(self) -> None: ...
+
+    def join_ended(self) -> None: ...
+
+
 class DDPJoinHook(JoinHook):
     """Shadows one training iteration per ``main_hook`` call on a joined rank."""
 
     def __init__(self, ddp: Joining) -> None:
         self.ddp = ddp
+        partner: JoinPartner | None = ddp.engine.reduction.join_partner
+        if partner is not None:
+            partner.join_started()
 
     def main_hook(self) -> None:
         ddp = self.ddp
@@ -79,14 +97,20 @@ class DDPJoinHook(JoinHook):
         ddp.require_forward_param_sync = bool(should_sync)
         if should_sync:
             ddp.engine.shadow_backward()
+            partner: JoinPartner | None = ddp.engine.reduction.join_partner
+            if partner is not None:
+                partner.shadow_step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
+        partner: JoinPartner | None = ddp.engine.reduction.join_partner
+        if partner is not None:
+            partner.join_ended()  # waits for its gathers: the broadcast below writes the parameters too
         src = find_common_rank(dist.get_rank(), is_last_joiner, ddp.process_group, ddp.engine.buckets.device)
         ddp._broadcast_module_state(src, include_buffers=ddp.forward_sync_buffers)
 
 
-def check_can_join(skip_all_reduce_unused_params: bool, desync_on: bool, reduction_joinable: bool = True) -> None:
+def check_can_join(skip_all_reduce_unused_params: bool, desync_on: bool) -> None:
     if skip_all_reduce_unused_params:
         raise RuntimeError(
             "skip_all_reduce_unused_params cannot be combined with join: a joined rank does not know "
@@ -97,11 +121,6 @@ def check_can_join(skip_all_reduce_unused_params: bool, desync_on: bool, reducti
         raise RuntimeError(
             "Desync detection cannot be combined with join: joined ranks deliberately issue "
             "different collectives than the ranks still training. Disable one of them."
-        )
-    if not reduction_joinable:
-        raise NotImplementedError(
-            "join is not supported with a sharded optimizer (gradsync.zero.ShardedOptimizer) yet: a joined rank "
-            "would have to shadow its reduce-scatters and all-gathers. Give every rank the same number of batches."
         )
 
 

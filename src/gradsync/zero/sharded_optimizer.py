@@ -23,7 +23,8 @@ What ``.grad`` holds after backward:
 - ``stage=1``: the full average, as with DDP (reduce-scatter, then all-gather of the shards).
 
 Per rank, with fp32 parameters and Adam, bytes per parameter: stage 2 4 + 12/N, stage 1 8 + 8/N
-(plain DDP 16-20). Not supported yet (they raise): comm hooks, ``join``, ``mixed_precision``,
+(plain DDP 16-20). Under ``join`` (uneven inputs) a rank that ran out of data keeps stepping its
+shards (zero/join.py). Not supported yet (they raise): comm hooks, ``mixed_precision``,
 ``_register_fused_optim``, the fault-tolerant mode, sparse gradients.
 """
 
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..collectives.broadcast import broadcast_int_list
 from ..engine.reduce_scatter import ReduceScatter
@@ -45,11 +47,12 @@ from ..engine.reductions import AllReduce
 from ..engine.sharding import Piece, ShardLayout, memory_order
 from ..wrapper.data_parallel import DataParallelWrapper
 from .elementwise import check_elementwise
+from .join import ShardedJoin
 from .param_buffers import ParamBuffers, weakly
 from .state_exchange import PieceState, exchange, gather_full, pieces_from_full
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """``optimizer_class`` over ``ddp``'s parameters, each rank stepping its shard of every bucket."""
 
     def __init__(
@@ -87,6 +90,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._timeout = timedelta(seconds=state_dict_timeout_s)
         self._helper = dist.new_group(ranks, backend="gloo", timeout=self._timeout)  # state_dict's check
         self._reduction = ReduceScatter(self._group, keep_full=stage == 1)
+        self._reduction.set_join_partner(self)  # a joined rank steps its shards too (join.py)
+        self._join = ShardedJoin(self._group, self._engine.buckets.device)
+        Joinable.__init__(self)
         engine.use_reduction(self._reduction, pad_multiple=dist.get_world_size(self._group))
         self._params = ParamBuffers(ddp.module, engine.params, self._group)
         self._layout: ShardLayout = self._reduction.layout
@@ -111,18 +117,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_engine()
+        self._join.check_order(self._join_config)
+        Join.notify_join_context(self)
+        if self._in_join():
+            self._join.share_hyperparameters(self.param_groups, joined=False)
+        self._step_shards(from_shards=self.stage == 2)
+        return loss
+
+    def _step_shards(self, from_shards: bool) -> None:
         self._params.wait_all()  # the step writes the parameters; no gather may still be writing them
-        self._bind_grads()
+        self._bind_grads(from_shards)
         for outer, inner in zip(self.param_groups, self._inner.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})  # LR schedulers change outer
         self._inner.step()
-        if self.stage == 2:
-            self._reduction.consumed()
+        self._reduction.consumed()
         self._unbind_grads()
         self._params.start(self._gather_order())
-        if not self.overlap_param_gather:
+        if not self.overlap_param_gather or self._in_join():
             self._params.wait_all()
-        return loss
+
+    def shadow_step(self) -> None:
+        """A joined rank's part of the step of the ranks still training (called by the DDP's join hook).
+
+        Its range of every bucket holds the others' average (the shadowed reduce-scatter); stepping
+        it with the hyper-parameters the training ranks use now (their LR scheduler moved on) and
+        all-gathering gives every rank the same parameters as if it had trained along.
+        """
+        self._join.share_hyperparameters(self.param_groups, joined=True)
+        self._step_shards(from_shards=True)
 
     def wait_for_params(self) -> None:
         """Wait for the all-gathers of the last step: afterwards every parameter is whole on this rank.
@@ -152,10 +174,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         sums over this rank's shards and all-reduces one scalar (the padding is never counted).
         """
         self._check_engine()
+        if self._in_join():
+            raise NotImplementedError(
+                f"ShardedOptimizer.clip_grad_norm_ cannot be combined with join (rank {self._rank}): a rank that "
+                "ran out of data would have to take part in the norm and clip its shard too. Clip without join, "
+                "or give every rank the same number of batches."
+            )
         if self.stage == 1:
             params = [p for group in self.param_groups for p in group["params"]]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        self._bind_grads()
+        self._bind_grads(from_shards=True)
         grads = [t.grad for t in self._tensors if t.grad is not None]
         norm_type = float(norm_type)
         device = self._engine.buckets.device
@@ -200,10 +228,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _piece_state(self) -> PieceState:
         return {p: dict(self._inner.state[t]) for p, t in zip(self._pieces, self._tensors) if t in self._inner.state}
 
-    def _bind_grads(self) -> None:
+    def _bind_grads(self, from_shards: bool) -> None:
+        """Each piece's gradient: from the reducer's shards (stage 2, a joined rank) or from ``.grad``."""
         reduction = self._reduction
         for piece, tensor in zip(self._pieces, self._tensors):
-            if self.stage == 2:
+            if from_shards:
                 shard = reduction.grad_shards[piece.bucket]
                 used = reduction.is_used(piece.param, piece.bucket)
                 grad = shard.narrow(0, piece.shard_start, piece.length) if used else None
@@ -248,6 +277,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "this ShardedOptimizer was built, so the new one does not reduce-scatter. Build the "
                 "ShardedOptimizer after those calls."
             )
+
+    # ------------------------------------------------------------------ join (uneven inputs)
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Join([ddp, optimizer]) as with torch's ``ZeroRedundancyOptimizer``; the DDP's hook does the work."""
+        return JoinHook()
+
+    def join_started(self) -> None:
+        """The DDP entered a join (its join hook was made): steps share hyper-parameters from now on."""
+        self._join.active = True
+
+    def _in_join(self) -> bool:
+        """Inside an enabled join of the DDP (its config is that of the last Join built over it)."""
+        return self._join.active and self._ddp._join_config.enable
+
+    def join_ended(self) -> None:
+        self._params.wait_all()  # the DDP's post hook broadcasts parameters a gather may still write
+        self._join.active = False
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._engine.buckets.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self._group
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
