@@ -24,10 +24,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class PendingReduceScatter:
     """An ``all_to_all_single`` in flight; ``finish`` sums what arrived into this rank's shard."""
 
-    __slots__ = ("work", "received", "world_size")
+    __slots__ = ("work", "sent", "received", "world_size")
 
-    def __init__(self, work: Any, received: torch.Tensor, world_size: int) -> None:
+    def __init__(self, work: Any, sent: torch.Tensor, received: torch.Tensor, world_size: int) -> None:
         self.work = work
+        self.sent = sent  # a cast copy must live until the send completed
         self.received = received
         self.world_size = world_size
 
@@ -35,7 +36,10 @@ class PendingReduceScatter:
         self.work.wait()
 
     def finish(self, shard: torch.Tensor, accumulate: bool = False) -> None:
-        """``shard`` (or ``shard +``, with ``accumulate``) the sum of every rank's chunk, in rank order."""
+        """``shard`` (or ``shard +``, with ``accumulate``) the sum of every rank's chunk, in rank order.
+
+        The sum is in ``shard``'s dtype: chunks sent in a low precision add up in the gradients' own.
+        """
         self.work.wait()
         chunks = self.received.view(self.world_size, -1)
         if accumulate:
@@ -44,16 +48,43 @@ class PendingReduceScatter:
             shard.copy_(chunks[0])
         for chunk in chunks[1:]:
             shard.add_(chunk)
-        self.received = torch.empty(0, dtype=chunks.dtype)  # let the receive buffer go now
+        self.received = self.sent = torch.empty(0, dtype=chunks.dtype)  # let the buffers go now
 
 
-def start_reduce_scatter(padded: torch.Tensor, group: dist.ProcessGroup) -> PendingReduceScatter:
-    """Start reducing ``padded`` (its length a multiple of the group's size) over ``group``."""
-    received = torch.empty_like(padded)
-    work = dist.all_to_all_single(received, padded, group=group, async_op=True)
-    return PendingReduceScatter(work, received, dist.get_world_size(group))
+def start_reduce_scatter(
+    padded: torch.Tensor, group: dist.ProcessGroup, wire_dtype: torch.dtype | None = None
+) -> PendingReduceScatter:
+    """Start reducing ``padded`` (its length a multiple of the group's size) over ``group``, sent in ``wire_dtype``."""
+    sent = padded if wire_dtype is None or wire_dtype == padded.dtype else padded.to(wire_dtype)
+    received = torch.empty_like(sent)
+    work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+    return PendingReduceScatter(work, sent, received, dist.get_world_size(group))
 
 
-def start_all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Any:
-    """Start filling ``output`` (``world_size`` times ``shard``'s length) with every rank's shard, in rank order."""
-    return _all_gather(output, shard, group=group, async_op=True)
+class PendingGather:
+    """An all-gather sent in another dtype than ``output``'s: ``wait`` copies the result in."""
+
+    __slots__ = ("work", "output", "received", "sent")
+
+    def __init__(self, work: Any, output: torch.Tensor, received: torch.Tensor, sent: torch.Tensor) -> None:
+        self.work, self.output, self.received, self.sent = work, output, received, sent
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.output.copy_(self.received)
+
+
+def start_all_gather(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, wire_dtype: torch.dtype | None = None
+) -> Any:
+    """Start filling ``output`` (``world_size`` times ``shard``'s length) with every rank's shard, in rank order.
+
+    Sent in ``wire_dtype`` (default: ``output``'s); either way ``wait()`` leaves the result in ``output``.
+    """
+    wire = wire_dtype or output.dtype
+    if wire == output.dtype and shard.dtype == wire:
+        return _all_gather(output, shard, group=group, async_op=True)
+    sent = shard.to(wire)
+    received = output if output.dtype == wire else torch.empty(output.shape, dtype=wire, device=output.device)
+    work = _all_gather(received, sent, group=group, async_op=True)
+    return PendingGather(work, output, received, sent)

@@ -13,6 +13,10 @@ of the bucket, ``grad_shards[b]``:
   to ``.grad`` as the all-reduce would; together the two collectives move what one all-reduce
   moves, and the sum is the same on every rank whatever the bucket layout.
 
+Low precision on the wire (``mixed_precision``'s ``reduce_dtype``, in which the buckets are kept,
+or a cast hook's dtype, ``compress``): the chunks are sent in it and added up in the shards,
+which are in the parameters' dtype, so the sum is never rounded to the low precision.
+
 Several synced backwards before the shards are consumed (``consumed()``, by the optimizer's step
 or ``zero_grad``) add up, as ``.grad`` does with DDP (ZeRO-1 through ``.grad`` itself).
 """
@@ -34,8 +38,6 @@ from .sharding import ShardLayout
 
 
 class ReduceScatter(Reduction):
-    takes_comm_hook = False  # a hook's bucket contract is the whole buffer; shards are not that yet
-
     def __init__(self, group: dist.ProcessGroup, keep_full: bool) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -50,6 +52,12 @@ class ReduceScatter(Reduction):
         # did not, and those of buckets not filled, are not stepped (DDP leaves their .grad None).
         self.used: list[bool] | None = None
         self._partner: Callable[[], Any] | None = None  # a weak reference: the optimizer holds the engine
+        # What the gradients are sent in: a cast hook's dtype (hooks/shardable.py), or None: the buckets' own.
+        self.wire_dtype: torch.dtype | None = None
+
+    def compress(self, hook: Any, state: Any, name: str, wire_dtype: torch.dtype | None) -> None:
+        """Send in ``wire_dtype`` what the cast hook ``hook`` would have (kept to name it, and to refuse a second)."""
+        self.hook, self.state, self.name, self.wire_dtype = hook, state, name, wire_dtype
 
     @property
     def join_partner(self) -> Any:
@@ -67,8 +75,12 @@ class ReduceScatter(Reduction):
                 "construct the model with nn.Embedding(sparse=False) to use a sharded optimizer."
             )
         self.layout = ShardLayout(buckets, self.world_size)
-        device, dtype = buckets.device, buckets.storages[0].flat.dtype
-        self.grad_shards = [torch.zeros(n, dtype=dtype, device=device) for n in self.layout.shard_numel]
+        # Shards in the parameters' dtype: under mixed_precision the buckets are in reduce_dtype, but the
+        # chunks add up in full precision, and the optimizer steps full-precision master shards.
+        self.grad_shards = [
+            torch.zeros(n, dtype=storage.params[0].dtype, device=buckets.device)
+            for n, storage in zip(self.layout.shard_numel, buckets.storages)
+        ]
         self.filled = [False] * len(self.grad_shards)
         self.used = None
 
@@ -79,12 +91,12 @@ class ReduceScatter(Reduction):
         except (RuntimeError, ValueError) as error:
             return Started(None, [f"{error} ({context.where})"])
         try:
-            return Started(start_reduce_scatter(storage.flat, self.group), [])
+            return Started(start_reduce_scatter(storage.flat, self.group, self.wire_dtype), [])
         except RuntimeError as error:  # a dead peer can fail the launch itself
             return Started(None, [f"reduce-scatter failed on bucket {b}: {error}"])
 
     def start_zeros(self, buckets: BucketSet, b: int) -> Any:
-        return start_reduce_scatter(buckets.zeros_like_bucket(b), self.group)
+        return start_reduce_scatter(buckets.zeros_like_bucket(b), self.group, self.wire_dtype)
 
     def finish_shadow(self, buckets: BucketSet, pending: list[Any], globally_used: list[bool] | None) -> None:
         """A joined rank still owns its range of every bucket: it keeps the others' average there.
@@ -101,7 +113,7 @@ class ReduceScatter(Reduction):
             self.filled[b] = True
             if self.keep_full:
                 scratch = torch.empty_like(buckets.storages[b].flat)
-                gathers.append(start_all_gather(scratch, self.grad_shards[b], self.group))
+                gathers.append(start_all_gather(scratch, self.grad_shards[b], self.group, self.wire_dtype))
         for work in gathers:
             work.wait()
 
@@ -132,7 +144,8 @@ class ReduceScatter(Reduction):
                 continue
             self.filled[b] = True
             if self.keep_full:
-                gathers.append(start_all_gather(buckets.storages[b].flat, self.grad_shards[b], self.group))
+                flat = buckets.storages[b].flat
+                gathers.append(start_all_gather(flat, self.grad_shards[b], self.group, self.wire_dtype))
             else:
                 gathers.append(None)
                 for param in buckets.storages[b].params:

@@ -66,7 +66,6 @@ class Reduction:
     hook: CommHook | None = None
     state: Any = None  # a comm hook's state
     reduces_lone_in_place = False  # may a lone large gradient be reduced in its own .grad?
-    takes_comm_hook = True  # may register_comm_hook replace it?
     # Who else a joined rank must shadow with this reduction (a sharded optimizer's step), or None.
     join_partner: Any = None
 

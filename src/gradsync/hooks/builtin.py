@@ -33,4 +33,5 @@ def builtin_hook(
         return inner(process_group, bucket)
 
     hook.__name__ = hook.__qualname__ = f"BuiltinCommHookType.{name}"
+    hook.shard_wire_dtype = torch.float16 if name == "FP16_COMPRESS" else None  # type: ignore[attr-defined]
     return hook

@@ -26,6 +26,8 @@ from ..engine.fused_optim import FusedOptimizer
 from ..engine.grad_bucket import check_comm_hook
 from ..engine.reduce_scatter import ReduceScatter
 from ..engine.reducer import Reducer, ReducerState
+from ..engine.reductions import hook_name
+from ..hooks.shardable import shard_wire_dtype
 from ..observability import liveness
 from ..observability.desync import DesyncDetector
 from ..observability.divergence import DivergenceCheck
@@ -283,6 +285,10 @@ class DataParallelWrapper(nn.Module, Joinable):
         """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch's contract)."""
         try:
             self._check_can_register(hook)
+            if isinstance(self.engine.reduction, ReduceScatter):  # a sharded optimizer sends shards: a cast only
+                name = hook_name(hook)
+                self.engine.reduction.compress(hook, state, name, shard_wire_dtype(hook, name, self.engine.rank))
+                return
         except (TypeError, ValueError, RuntimeError) as error:
             self._logged_error = str(error)
             raise
@@ -298,12 +304,6 @@ class DataParallelWrapper(nn.Module, Joinable):
                 "register_comm_hook or register_builtin_comm_hook can only be called once. A comm hook "
                 f"({engine.reduction.name}) is already registered on this DistributedDataParallel (rank "
                 f"{engine.rank}); compose hooks inside one function instead."
-            )
-        if not engine.reduction.takes_comm_hook:
-            raise RuntimeError(
-                f"register_comm_hook: this DistributedDataParallel's buckets are reduced by a sharded optimizer "
-                f"(gradsync.zero.ShardedOptimizer, rank {engine.rank}), which takes no comm hook yet; register hooks "
-                "on a DistributedDataParallel without one."
             )
         if engine.iteration > 0 or engine.state is not ReducerState.IDLE:
             raise RuntimeError(

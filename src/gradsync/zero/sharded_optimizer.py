@@ -24,7 +24,9 @@ What ``.grad`` holds after backward:
 
 Per rank, with fp32 parameters and Adam, bytes per parameter: stage 2 4 + 12/N, stage 1 8 + 8/N
 (plain DDP 16-20). Under ``join`` (uneven inputs) a rank that ran out of data keeps stepping its
-shards (zero/join.py). Not supported yet (they raise): comm hooks, ``mixed_precision``,
+shards (zero/join.py). ``mixed_precision`` and the cast hooks (fp16/bf16 compression) set what
+the gradients are sent in; they add up in the parameters' precision (engine/reduce_scatter.py).
+Not supported (they raise): hooks that need the whole bucket (PowerSGD; hooks/shardable.py),
 ``_register_fused_optim``, the fault-tolerant mode, sparse gradients.
 """
 
@@ -43,8 +45,9 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..collectives.broadcast import broadcast_int_list
 from ..engine.reduce_scatter import ReduceScatter
-from ..engine.reductions import AllReduce
+from ..engine.reductions import AllReduce, CommHookReduction
 from ..engine.sharding import Piece, ShardLayout, memory_order
+from ..hooks.shardable import shard_wire_dtype
 from ..wrapper.data_parallel import DataParallelWrapper
 from .elementwise import check_elementwise
 from .join import ShardedJoin
@@ -90,6 +93,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._timeout = timedelta(seconds=state_dict_timeout_s)
         self._helper = dist.new_group(ranks, backend="gloo", timeout=self._timeout)  # state_dict's check
         self._reduction = ReduceScatter(self._group, keep_full=stage == 1)
+        hooked = engine.reduction
+        if isinstance(hooked, CommHookReduction):
+            wire_dtype = shard_wire_dtype(hooked.hook, hooked.name, self._rank)
+            self._reduction.compress(hooked.hook, hooked.state, hooked.name, wire_dtype)
         self._reduction.set_join_partner(self)  # a joined rank steps its shards too (join.py)
         self._join = ShardedJoin(self._group, self._engine.buckets.device)
         Joinable.__init__(self)
@@ -379,15 +386,15 @@ def _check_usable(ddp: Any, optimizer_class: type, stage: int, elementwise: bool
             f"This DistributedDataParallel already has a ShardedOptimizer (rank {engine.rank}); one per wrapper. "
             "Pass every parameter group to that one."
         )
+    if isinstance(engine.reduction, CommHookReduction):  # a cast hook becomes the shards' wire dtype
+        shard_wire_dtype(engine.reduction.hook, engine.reduction.name or "", engine.rank)
     unsupported = []
-    if not isinstance(engine.reduction, AllReduce):
-        unsupported.append(f"a comm hook ({engine.reduction.name})" if engine.reduction.name else "another reduction")
+    if not isinstance(engine.reduction, (AllReduce, CommHookReduction)):
+        unsupported.append("another reduction")
     if engine.fused_optimizer is not None:
         unsupported.append("_register_fused_optim")
     if engine.config.keep_local_grads:
         unsupported.append("the fault-tolerant mode (gradsync.elastic)")
-    if engine.config.reduce_dtype is not None:
-        unsupported.append("mixed_precision")
     if unsupported:
         raise NotImplementedError(
             f"ShardedOptimizer does not support {', '.join(unsupported)} yet (rank {engine.rank}); use plain DDP "
