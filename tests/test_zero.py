@@ -193,6 +193,44 @@ def test_what_grad_holds_after_backward() -> None:
     assert all(r["equal"] for r in run_distributed(_grad_after_backward, 2, 1))
 
 
+def _gradient_held(stage: int) -> dict:
+    """How much full gradient a rank holds while backward runs and after it (bucket buffers and .grad)."""
+    ddp, sharded, _, _ = _pair("mlp", stage, *ADAMW, 0.0005)
+    rank, world = rank_world()
+    storages = lambda: ddp.engine.buckets.storages  # noqa: E731 - rebuilt after the first iteration
+    peak = {"buckets": 0, "grads": 0}
+
+    def note(_: torch.Tensor) -> None:
+        allocated = sum(s.flat.untyped_storage().nbytes() > 0 for s in storages())
+        grads = sum(p.grad is not None for p in ddp.module.parameters())
+        peak["buckets"], peak["grads"] = max(peak["buckets"], allocated), max(peak["grads"], grads)
+
+    for param in ddp.module.parameters():
+        param.register_post_accumulate_grad_hook(note)  # after the reducer's own: the bucket may have launched
+    for step in range(3):
+        x, y = global_batch("mlp", world, step)
+        sharded.zero_grad()
+        loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+        after = sum(s.flat.untyped_storage().nbytes() for s in storages())
+        sharded.step()
+    views = all(
+        p.grad is not None
+        and any(p.grad.untyped_storage().data_ptr() == s.flat.untyped_storage().data_ptr() for s in storages())
+        for p in ddp.module.parameters()
+    )
+    return {"buckets": len(storages()), "peak": peak, "after": after, "grad_views": views}
+
+
+def test_stage_2_holds_a_bucket_only_while_it_is_sent() -> None:
+    """Stage 2: at most two buckets allocated at any point of backward (the one sent, the one filling),
+    none after it; stage 1: its .grad are views of the buckets (no second copy of the gradient)."""
+    for result in run_distributed(_gradient_held, 2, 2):
+        assert result["buckets"] >= 4, result
+        assert result["peak"]["buckets"] <= 2 and result["after"] == 0, result
+    for result in run_distributed(_gradient_held, 2, 1):
+        assert result["grad_views"], result
+
+
 def _clip(stage: int, norm_type: float) -> dict:
     ddp, sharded, reference, plain = _pair("mlp", stage, *SGD, 0.001)
     rank, world = rank_world()

@@ -24,13 +24,14 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class PendingReduceScatter:
     """An ``all_to_all_single`` in flight; ``finish`` sums what arrived into this rank's shard."""
 
-    __slots__ = ("work", "sent", "received", "world_size")
+    __slots__ = ("work", "sent", "received", "world_size", "failed")
 
     def __init__(self, work: Any, sent: torch.Tensor, received: torch.Tensor, world_size: int) -> None:
         self.work = work
         self.sent = sent  # a cast copy must live until the send completed
         self.received = received
         self.world_size = world_size
+        self.failed = False  # finish raised: nothing of it reached the shard
 
     def wait(self) -> None:
         self.work.wait()

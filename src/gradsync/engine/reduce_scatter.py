@@ -30,11 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives.sharded import start_all_gather, start_reduce_scatter
+from ..collectives.sharded import PendingReduceScatter, start_all_gather, start_reduce_scatter
 from ..observability.timing import IterationTimes, now
 from .bucket_set import BucketSet
 from .reductions import LaunchContext, Reduction, Started
 from .sharding import ShardLayout
+from .storage import BucketStorage
+
+# Buckets sent and not yet drained when the next launches: [Note: buckets released as they drain].
+IN_FLIGHT = 1
 
 
 class ReduceScatter(Reduction):
@@ -54,6 +58,10 @@ class ReduceScatter(Reduction):
         self._partner: Callable[[], Any] | None = None  # a weak reference: the optimizer holds the engine
         # What the gradients are sent in: a cast hook's dtype (hooks/shardable.py), or None: the buckets' own.
         self.wire_dtype: torch.dtype | None = None
+        self.views = False  # ZeRO-1 with .grad as views of the buckets, and shards in them (adopt_buckets)
+        self._in_flight: list[tuple[int, PendingReduceScatter, BucketStorage]] = []  # launched, not drained
+        self._done_at: dict[int, float] = {}  # drained buckets of this pass: when
+        self._first_of_pass: bool | None = None  # whether this pass is the first since the shards were consumed
 
     def compress(self, hook: Any, state: Any, name: str, wire_dtype: torch.dtype | None) -> None:
         """Send in ``wire_dtype`` what the cast hook ``hook`` would have (kept to name it, and to refuse a second)."""
@@ -75,25 +83,79 @@ class ReduceScatter(Reduction):
                 "construct the model with nn.Embedding(sparse=False) to use a sharded optimizer."
             )
         self.layout = ShardLayout(buckets, self.world_size)
-        # Shards in the parameters' dtype: under mixed_precision the buckets are in reduce_dtype, but the
-        # chunks add up in full precision, and the optimizer steps full-precision master shards.
-        self.grad_shards = [
-            torch.zeros(n, dtype=storage.params[0].dtype, device=buckets.device)
-            for n, storage in zip(self.layout.shard_numel, buckets.storages)
-        ]
+        storages = buckets.storages
+        # ZeRO-1: .grad are views of the buckets and each shard is the bucket's own range, unless the
+        # buckets are in another dtype than the parameters (mixed_precision): then both are copies.
+        self.views = self.keep_full and all(s.flat.dtype == s.params[0].dtype for s in storages)
+        if self.views:
+            self.grad_shards = [
+                s.flat.narrow(0, self.rank * n, n) for n, s in zip(self.layout.shard_numel, storages)
+            ]
+        else:
+            # In the parameters' dtype: under mixed_precision the chunks add up in full precision,
+            # and the optimizer steps full-precision master shards.
+            self.grad_shards = [
+                torch.zeros(n, dtype=s.params[0].dtype, device=buckets.device)
+                for n, s in zip(self.layout.shard_numel, storages)
+            ]
+        if not self.keep_full:
+            for storage in storages:
+                storage.release()  # [Note: buckets released as they drain]
         self.filled = [False] * len(self.grad_shards)
         self.used = None
+        self._in_flight = []
+        self._first_of_pass = None
 
     def start(self, context: LaunchContext, b: int) -> Started:
         storage = context.buckets.storages[b]
+        if self._first_of_pass is None:
+            self._first_of_pass = not any(self.filled)
+        errors: list[str | Exception] = self._drain(keep=IN_FLIGHT - 1)
+        as_view = context.as_view or self.views
         try:
-            context.buckets.gather_grads(b, context.as_view, context.unused, context.names, context.take_divisor())
+            storage.reallocate()
+            context.buckets.gather_grads(b, as_view, context.unused, context.names, context.take_divisor())
         except (RuntimeError, ValueError) as error:
-            return Started(None, [f"{error} ({context.where})"])
+            return Started(None, [*errors, f"{error} ({context.where})"])
+        if not self.keep_full:
+            for param in storage.params:
+                param.grad = None  # ZeRO-2 keeps no full gradient: the bucket holds it until it is sent
         try:
-            return Started(start_reduce_scatter(storage.flat, self.group, self.wire_dtype), [])
+            pending = start_reduce_scatter(storage.flat, self.group, self.wire_dtype)
         except RuntimeError as error:  # a dead peer can fail the launch itself
-            return Started(None, [f"reduce-scatter failed on bucket {b}: {error}"])
+            return Started(None, [*errors, f"reduce-scatter failed on bucket {b}: {error}"])
+        self._in_flight.append((b, pending, storage))
+        return Started(pending, errors)
+
+    def _drain(self, keep: int) -> list[str | Exception]:
+        """Sum what arrived into the shards, oldest first, until at most ``keep`` buckets are in flight.
+
+        [Note: buckets released as they drain]
+        ZeRO-2 needs a bucket's full gradient only from its launch until its reduce-scatter
+        completed, so each bucket's flat buffer is allocated at its launch (``reallocate``) and freed
+        once it drained (``release``), with the receive buffer; ``.grad`` is dropped at the launch.
+        A bucket drains at the next launch after it completed, and at the latest when it is the
+        ``IN_FLIGHT``-th one before the bucket launching, so the gradient held at any time is the
+        bucket filling (autograd's ``.grad``) plus ``IN_FLIGHT`` sent buckets and their receive
+        buffers, instead of all of it. Draining is a local sum: when it happens does not change
+        which collectives a rank issues, or their order. ZeRO-1 keeps its buckets (they are
+        ``.grad``) and drains only the receive buffers.
+        """
+        errors: list[str | Exception] = []
+        while self._in_flight and (len(self._in_flight) > keep or self._in_flight[0][1].work.is_completed()):
+            b, pending, storage = self._in_flight.pop(0)
+            try:
+                # ZeRO-1 accumulates in .grad, as DDP does; ZeRO-2 has no .grad to accumulate in.
+                pending.finish(self.grad_shards[b], accumulate=self.filled[b] and not self.keep_full)
+            except Exception as error:  # noqa: BLE001 - reported with the bucket named
+                errors.append(f"reduce-scatter failed on bucket {b}: {error}")
+                pending.failed = True
+                continue
+            self._done_at[b] = now()
+            self.filled[b] = True
+            if not self.keep_full:
+                storage.release()
+        return errors
 
     def start_zeros(self, buckets: BucketSet, b: int) -> Any:
         return start_reduce_scatter(buckets.zeros_like_bucket(b), self.group, self.wire_dtype)
@@ -112,7 +174,7 @@ class ReduceScatter(Reduction):
             work.finish(self.grad_shards[b], accumulate=self.filled[b] and not self.keep_full)
             self.filled[b] = True
             if self.keep_full:
-                scratch = torch.empty_like(buckets.storages[b].flat)
+                scratch = torch.empty(buckets.storages[b].flat.shape, dtype=self.grad_shards[b].dtype)
                 gathers.append(start_all_gather(scratch, self.grad_shards[b], self.group, self.wire_dtype))
         for work in gathers:
             work.wait()
@@ -127,34 +189,24 @@ class ReduceScatter(Reduction):
         times: IterationTimes,
         after_bucket: Callable[[int], None] | None,
     ) -> list[str]:
-        errors: list[str] = []
-        gathers: list[Any] = []
-        self._note_used(globally_used, first=not any(self.filled))
-        for b, pending in enumerate(launched):
-            if pending is None:
-                gathers.append(None)
-                continue  # skipped (every parameter unused) or failed to start: nothing arrived
-            try:
-                # ZeRO-1 accumulates in .grad, as DDP does; ZeRO-2 has no .grad to accumulate in.
-                pending.finish(self.grad_shards[b], accumulate=self.filled[b] and not self.keep_full)
-                times.bucket_done[b] = times.bucket_done[b] or now()
-            except Exception as error:  # noqa: BLE001 - reported with the bucket named
-                errors.append(f"reduce-scatter failed on bucket {b}: {error}")
-                gathers.append(None)
-                continue
-            self.filled[b] = True
-            if self.keep_full:
-                flat = buckets.storages[b].flat
-                gathers.append(start_all_gather(flat, self.grad_shards[b], self.group, self.wire_dtype))
-            else:
-                gathers.append(None)
-                for param in buckets.storages[b].params:
-                    param.grad = None  # ZeRO-2 keeps no full gradient
-        if self.keep_full:
-            errors.extend(buckets.write_back(gathers, as_view, globally_used, unused, None, times))
-        else:
+        errors = [str(e) for e in self._drain(keep=0)]
+        first, self._first_of_pass = self._first_of_pass, None
+        self._note_used(globally_used, first=first if first is not None else not any(self.filled))
+        for b, done_at in self._done_at.items():
+            times.bucket_done[b] = times.bucket_done[b] or done_at
+        self._done_at = {}
+        if not self.keep_full:
             times.reductions_done = max(times.bucket_done, default=0.0) or now()
             buckets.begin_iteration()
+            return errors
+        gathers: list[Any] = []
+        for b, pending in enumerate(launched):
+            if pending is None or pending.failed:
+                gathers.append(None)  # skipped (every parameter unused) or failed: nothing arrived
+                continue
+            flat = buckets.storages[b].flat
+            gathers.append(start_all_gather(flat, self.grad_shards[b], self.group, self.wire_dtype))
+        errors.extend(buckets.write_back(gathers, as_view or self.views, globally_used, unused, None, times))
         return errors
 
     def _note_used(self, globally_used: list[bool] | None, first: bool) -> None:

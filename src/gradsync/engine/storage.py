@@ -100,6 +100,26 @@ class BucketStorage:
         self._data_ptr = self.flat.data_ptr()
         return True
 
+    def release(self) -> None:
+        """Free the flat buffer's memory; the tensor and its views stay, to be refilled (``reallocate``).
+
+        A sharded optimizer's ZeRO-2 holds a bucket only while it is sent ([Note: buckets released as
+        they drain] in reduce_scatter.py). Shrinking the storage keeps every view valid once it grows back.
+        """
+        if not self.sparse:
+            self.flat.untyped_storage().resize_(0)
+
+    def reallocate(self) -> None:
+        """Give a released flat buffer memory again, its padding zeroed (the rest is written before read)."""
+        storage = self.flat.untyped_storage()
+        needed = self.flat.numel() * self.flat.element_size()
+        if self.sparse or storage.nbytes() >= needed:
+            return
+        storage.resize_(needed)
+        numel = self.offsets[-1] + self.params[-1].numel()
+        self.flat.narrow(0, numel, self.flat.numel() - numel).zero_()
+        self._data_ptr = self.flat.data_ptr()
+
     @property
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params)
