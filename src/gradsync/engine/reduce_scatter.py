@@ -88,9 +88,7 @@ class ReduceScatter(Reduction):
         # buckets are in another dtype than the parameters (mixed_precision): then both are copies.
         self.views = self.keep_full and all(s.flat.dtype == s.params[0].dtype for s in storages)
         if self.views:
-            self.grad_shards = [
-                s.flat.narrow(0, self.rank * n, n) for n, s in zip(self.layout.shard_numel, storages)
-            ]
+            self.grad_shards = [s.flat.narrow(0, self.rank * n, n) for n, s in zip(self.layout.shard_numel, storages)]
         else:
             # In the parameters' dtype: under mixed_precision the chunks add up in full precision,
             # and the optimizer steps full-precision master shards.
