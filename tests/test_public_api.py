@@ -45,7 +45,7 @@ PUBLIC = {
         "topk_hook",
     ],
     "gradsync.elastic": ["ElasticRun", "FaultTolerant", "Generation", "init", "serve"],
-    "gradsync.zero": ["ShardedOptimizer"],
+    "gradsync.zero": ["ShardedOptimizer", "load_sharded", "save_sharded"],
     "gradsync.integrations.lightning": ["GradsyncDDPStrategy", "GradsyncFabricDDPStrategy"],
     # Modules people import by path (docs, examples, python -m).
     "gradsync.ddp": ["DistributedDataParallel"],
