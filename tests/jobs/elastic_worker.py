@@ -28,6 +28,7 @@ from gradsync import DistributedDataParallel as DDP
 from gradsync import elastic
 from gradsync.elastic import heal
 from gradsync.hooks import PowerSGDState, allreduce_hook, powersgd_hook
+from gradsync.zero import ShardedOptimizer
 
 WIDTH = 32
 
@@ -84,6 +85,7 @@ def main() -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=0.002)
     p.add_argument("--divisor", default="survivors")
     p.add_argument("--sleep", type=float, default=0.02)
+    p.add_argument("--sharded", type=int, default=0, help="a gradsync.zero.ShardedOptimizer of this stage")
     args = p.parse_args()
     torch.set_num_threads(1)
     phase, _, at = args.fault.partition(":")
@@ -101,7 +103,10 @@ def main() -> None:
         ddp.register_comm_hook(hook_state, powersgd_hook)
     elif phase in ("reduction", "disagree"):
         ddp.register_comm_hook(None, _faulty_allreduce(phase, at_step))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if args.sharded:
+        opt = ShardedOptimizer(ddp, torch.optim.SGD, stage=args.sharded, lr=0.05, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     divisor = int(args.divisor) if args.divisor.isdigit() else args.divisor
     if phase == "heal":
         _die_as_heal_source()

@@ -36,6 +36,7 @@ from .bucket_set import BucketSet
 from .reductions import LaunchContext, Reduction, Started
 from .sharding import ShardLayout
 from .storage import BucketStorage
+from .tolerance import DeferredStep, Tolerance
 
 # Buckets sent and not yet drained when the next launches: [Note: buckets released as they drain].
 IN_FLIGHT = 1
@@ -206,6 +207,34 @@ class ReduceScatter(Reduction):
             gathers.append(start_all_gather(flat, self.grad_shards[b], self.group, self.wire_dtype))
         errors.extend(buckets.write_back(gathers, as_view or self.views, globally_used, unused, None, times))
         return errors
+
+    def finish_tolerant(
+        self, buckets: BucketSet, current: Any, tolerance: Tolerance, globally_used: list[bool] | None
+    ) -> None:
+        """Under ``gradsync.elastic``: a failed collective is a failure of the step, noted for the vote.
+
+        The results go straight into the shards (and, at stage 1, ``.grad``): a step that does not
+        commit cannot be redone over the survivors anyway, since a dead rank's shards died with it;
+        the fault-tolerant wrapper raises then, naming them (``describe_lost_shards``).
+        """
+        tolerance.take_launch_failures(current)
+        try:
+            if tolerance.failures:
+                raise RuntimeError("; ".join(tolerance.failures))
+            for _, pending, _ in self._in_flight:
+                if tolerance.waiter is not None:
+                    tolerance.waiter(pending.work)  # in slices, giving up when a peer stops beating
+            as_view = False  # the fault-tolerant mode refuses gradient_as_bucket_view
+            times, unused = current.times, current.marked_unused
+            problems = self.finish(buckets, current.launched, as_view, globally_used, unused, times, None)
+        except RuntimeError as error:
+            problems = [str(error)]
+        if problems:
+            tolerance.failures.extend(p for p in problems if p not in tolerance.failures)
+            self._in_flight, self._first_of_pass = [], None
+            tolerance.abandon(current.launched, buckets)
+            return
+        tolerance.deferred = DeferredStep([], [], globally_used, set())  # nothing left to write
 
     def _note_used(self, globally_used: list[bool] | None, first: bool) -> None:
         """Used in this backward or an earlier one since the shards were consumed (None: all)."""

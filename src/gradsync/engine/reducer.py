@@ -315,7 +315,7 @@ class Reducer:
         if agree_used:
             globally_used = self._agree_on_used()
         if self.tolerance.enabled:
-            self.tolerance.wait_and_defer(self.buckets, current, self.reduction.name, globally_used)
+            self.reduction.finish_tolerant(self.buckets, current, self.tolerance, globally_used)
         else:
             after = None if self.fused_optimizer is None else self._step_fused
             as_view = config.gradient_as_bucket_view

@@ -82,6 +82,12 @@ class Reduction:
     def end_of_pass(self) -> None:
         """Every bucket of this pass was launched or skipped."""
 
+    def finish_tolerant(
+        self, buckets: BucketSet, current: Any, tolerance: Any, globally_used: list[bool] | None
+    ) -> None:
+        """The fault-tolerant mode's end of backward: wait, note failures, keep results for the vote (tolerance.py)."""
+        tolerance.wait_and_defer(buckets, current, self.name, globally_used)
+
     def finish_shadow(self, buckets: BucketSet, pending: list[Any], globally_used: list[bool] | None) -> None:
         """A joined rank's end of backward: wait for what ``start_zeros`` started (its ``.grad`` stays)."""
         for work in pending:

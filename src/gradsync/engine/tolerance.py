@@ -51,11 +51,7 @@ class Tolerance:
         self, buckets: BucketSet, current: BackwardPass, hook_name: str | None, globally_used: list[bool] | None
     ) -> None:
         """Wait for every bucket of ``current`` and keep the results for ``write_deferred``."""
-        # Errors of a launch (a dead peer refusing the connection, a hook raising) are failures of
-        # this step here: the step is redone over the survivors, or raised if nobody died.
-        launch_failures = [e for e in current.errors if isinstance(e, Exception) or " failed on bucket " in e]
-        current.errors = [e for e in current.errors if e not in launch_failures]
-        self.failures.extend(str(e) for e in launch_failures)
+        self.take_launch_failures(current)
         if not self.failures:
             values, failure = buckets.wait_all(current.launched, hook_name, current.times, self.waiter)
             if failure is not None:
@@ -63,9 +59,19 @@ class Tolerance:
             else:
                 self.deferred = DeferredStep(current.launched, values, globally_used, set(current.marked_unused))
                 return
-        # Work handles of a failed step stay referenced: freeing one whose gloo pair saw its peer
-        # die can end the process (see [Note: forming a generation] in elastic/membership.py).
-        self.abandoned.append(current.launched)
+        self.abandon(current.launched, buckets)
+
+    def take_launch_failures(self, current: BackwardPass) -> None:
+        """Errors of a launch (a dead peer refusing the connection, a hook raising) are failures of
+        this step here: the step is redone over the survivors, or raised if nobody died."""
+        launch_failures = [e for e in current.errors if isinstance(e, Exception) or " failed on bucket " in e]
+        current.errors = [e for e in current.errors if e not in launch_failures]
+        self.failures.extend(str(e) for e in launch_failures)
+
+    def abandon(self, launched: list[Any], buckets: BucketSet) -> None:
+        """Work handles of a failed step stay referenced: freeing one whose gloo pair saw its peer
+        die can end the process (see [Note: forming a generation] in elastic/membership.py)."""
+        self.abandoned.append(launched)
         buckets.begin_iteration()
 
     def write_deferred(self, buckets: BucketSet, as_view: bool, hook_name: str | None) -> None:

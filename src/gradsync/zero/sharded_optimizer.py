@@ -45,6 +45,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..collectives.broadcast import broadcast_int_list
 from ..engine.reduce_scatter import ReduceScatter
+from ..engine.reducer import Reducer
 from ..engine.reductions import AllReduce, CommHookReduction
 from ..engine.sharding import Piece, ShardLayout, memory_order
 from ..hooks.shardable import shard_wire_dtype
@@ -92,29 +93,65 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         ranks = [dist.get_global_rank(self._group, r) for r in range(dist.get_world_size(self._group))]
         self._timeout = timedelta(seconds=state_dict_timeout_s)
         self._helper = dist.new_group(ranks, backend="gloo", timeout=self._timeout)  # state_dict's check
-        self._reduction = ReduceScatter(self._group, keep_full=stage == 1)
-        hooked = engine.reduction
-        if isinstance(hooked, CommHookReduction):
-            wire_dtype = shard_wire_dtype(hooked.hook, hooked.name, self._rank)
-            self._reduction.compress(hooked.hook, hooked.state, hooked.name, wire_dtype)
-        self._reduction.set_join_partner(self)  # a joined rank steps its shards too (join.py)
         self._join = ShardedJoin(self._group, self._engine.buckets.device)
         Joinable.__init__(self)
-        engine.use_reduction(self._reduction, pad_multiple=dist.get_world_size(self._group))
         self._params = ParamBuffers(ddp.module, engine.params, self._group)
-        self._layout: ShardLayout = self._reduction.layout
-        self._params.adopt(engine.buckets, self._layout)
-        self._buckets = engine.buckets
         self._order: list[int] | None = None  # the gather order, once the ranks agreed on one
         self._pieces: list[Piece] = []
         self._tensors: list[torch.Tensor] = []  # the inner optimizer's parameters: one view per piece
-        self._inner = self._build_inner({})
+        self._stepped = False
+        self._attach(engine)
         this = weakref.ref(self)  # weakly, so that a deepcopy of the module does not copy the optimizer
         self._hooks = [
             ddp.module.register_forward_pre_hook(weakly(this, "_before_forward"), prepend=True),
             ddp.register_forward_hook(weakly(this, "_after_forward")),
         ]
         self._finished_init = True
+
+    def _attach(self, engine: Reducer) -> None:
+        """Make ``engine`` reduce-scatter into this optimizer's shards (a cast hook it has: the wire dtype)."""
+        self._engine = engine
+        self._reduction = ReduceScatter(self._group, keep_full=self.stage == 1)
+        hooked = engine.reduction
+        if isinstance(hooked, CommHookReduction):
+            wire_dtype = shard_wire_dtype(hooked.hook, hooked.name, self._rank)
+            self._reduction.compress(hooked.hook, hooked.state, hooked.name, wire_dtype)
+        self._reduction.set_join_partner(self)  # a joined rank steps its shards too (join.py)
+        engine.use_reduction(self._reduction, pad_multiple=dist.get_world_size(self._group))
+        self._layout: ShardLayout = self._reduction.layout
+        self._params.adopt(engine.buckets, self._layout)
+        self._buckets = engine.buckets
+        self._inner = self._build_inner({})
+
+    def follow_engine(self) -> None:
+        """The wrapper's reducer was replaced before training (the fault-tolerant mode's rewiring): use the new one.
+
+        Only over the same ranks and before the first step: the shards are laid out over them.
+        """
+        engine = self._ddp.engine
+        if engine is self._engine:
+            return
+        if self._stepped or engine.process_group is not self._group:
+            self._check_engine()  # raises, naming why
+        self._attach(engine)
+
+    def describe_lost_shards(self, dead_ranks: list[int], world_size: int) -> str:
+        """What died with ``dead_ranks`` (ranks of this optimizer's group), and how to go on: for errors."""
+        names = self._engine.names
+        lost = []
+        for rank in dead_ranks:
+            pieces = self._layout.pieces(rank)
+            params = sorted({names[p.param] for p in pieces})
+            shown = ", ".join(params[:4]) + (f" and {len(params) - 4} more" if len(params) > 4 else "")
+            elements = sum(p.length for p in pieces)
+            lost.append(f"rank {rank}'s ({elements} elements of {len(params)} parameters: {shown})")
+        what = "optimizer state and this step's averaged gradients" if self.stage == 2 else "optimizer state"
+        return (
+            f"The {what} of ShardedOptimizer(stage={self.stage}) is sharded over {world_size} ranks, each range kept "
+            f"once: {'; '.join(lost)} died with the rank and cannot be healed. Restart from the last sharded "
+            f"checkpoint with {world_size - len(dead_ranks)} rank(s): build the ShardedOptimizer there and call "
+            "gradsync.zero.load_sharded(path, ddp, optimizer) (save with gradsync.zero.save_sharded every few steps)."
+        )
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -129,6 +166,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self._in_join():
             self._join.share_hyperparameters(self.param_groups, joined=False)
         self._step_shards(from_shards=self.stage == 2)
+        self._stepped = True
         return loss
 
     def _step_shards(self, from_shards: bool) -> None:
@@ -393,8 +431,6 @@ def _check_usable(ddp: Any, optimizer_class: type, stage: int, elementwise: bool
         unsupported.append("another reduction")
     if engine.fused_optimizer is not None:
         unsupported.append("_register_fused_optim")
-    if engine.config.keep_local_grads:
-        unsupported.append("the fault-tolerant mode (gradsync.elastic)")
     if unsupported:
         raise NotImplementedError(
             f"ShardedOptimizer does not support {', '.join(unsupported)} yet (rank {engine.rank}); use plain DDP "
