@@ -1,6 +1,6 @@
 """A sharded optimizer under the fault-tolerant mode (gradsync.elastic).
 
-[Note: a sharded optimizer under the fault-tolerant mode] in elastic/fault_tolerant.py: while
+[Note: a sharded optimizer under the fault-tolerant mode] in elastic/sharded_state.py: while
 nothing fails the steps commit as with any optimizer (checked against a single-process replay
 of the committed batches); when a rank dies its shards are gone, and the survivors stop with an
 error naming them and how to resume, instead of training on with a hole in the optimizer state.

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,28 +30,12 @@ from ..observability.divergence import fingerprint
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import commit, heal, hook_state, membership
 from .run import ElasticRun, current
+from .sharded_state import ShardedState, lost_shards_error
 
 logger = logging.getLogger(__name__)
 _LOOK_FOR_JOINERS_S = 0.5  # how often a member checks the store for arrivals, at most
 _SLICE_S = 0.1  # how often a wait for a bucket looks at its peers' heartbeats
 _FIRST_POLL_S, _MAX_POLL_S = 0.0001, 0.002  # polling a comm hook's future
-
-
-class ShardedState(Protocol):
-    """An optimizer whose state is sharded over the ranks, each range kept once (gradsync.zero.ShardedOptimizer).
-
-    [Note: a sharded optimizer under the fault-tolerant mode]
-    A dead rank's shards of the optimizer state (and, at stage 2, of the step's gradients) exist
-    nowhere else, so the survivors cannot heal each other or redo the step: when a step does not
-    commit, they raise the optimizer's ``describe_lost_shards`` (which ranges, which parameters, and
-    how to resume: the last sharded checkpoint at the smaller world size). Joiners are not admitted
-    (the shards are laid out over the ranks there are); resume from a sharded checkpoint at the
-    larger size instead. While nothing fails, the steps commit as with any optimizer.
-    """
-
-    def follow_engine(self) -> None: ...
-
-    def describe_lost_shards(self, dead_ranks: list[int], world_size: int) -> str: ...
 
 
 class HealMismatch(Exception):
@@ -101,7 +85,7 @@ class FaultTolerant:
         self.extra_state = extra_state or {}
         self.on_reconfigure = on_reconfigure
         self.divisor = divisor
-        # A sharded optimizer: [Note: a sharded optimizer under the fault-tolerant mode].
+        # A sharded optimizer: [Note: a sharded optimizer under the fault-tolerant mode] in sharded_state.py.
         self._sharded: ShardedState | None = optimizer if hasattr(optimizer, "describe_lost_shards") else None
         self._step = 0
         self._looked_for_joiners = 0.0
@@ -230,7 +214,7 @@ class FaultTolerant:
                 self._rejoin()
                 return False
             if self._sharded is not None and aborted:
-                self._raise_lost_shards(candidates, generation, reason)
+                raise lost_shards_error(self._sharded, candidates, generation, reason, self.rank, self._step)
             self._check_enough(candidates, generation)
             try:
                 self._open_and_heal(generation, reset_hook_memory=aborted)
@@ -240,20 +224,6 @@ class FaultTolerant:
                 candidates, healthy, number = generation.members, generation.healthy, generation.number + 1
         self._record(reason, candidates, started)
         return True
-
-    def _raise_lost_shards(self, candidates: list[str], generation: membership.Generation, reason: str) -> None:
-        dead = [rank for rank, uuid in enumerate(candidates) if uuid not in generation.members]
-        if not dead:
-            raise RuntimeError(
-                f"Rank {self.rank}: step {self._step} did not commit ({reason}) although every member is alive; a "
-                "ShardedOptimizer's step cannot be redone (its shards hold this step's sums). Restart from the last "
-                "sharded checkpoint (gradsync.zero.load_sharded)."
-            )
-        assert self._sharded is not None
-        raise RuntimeError(
-            f"Rank(s) {dead} of generation {generation.number - 1} died at step {self._step} ({reason}). "
-            + self._sharded.describe_lost_shards(dead, len(candidates))
-        )
 
     def _check_enough(self, candidates: list[str], generation: membership.Generation) -> None:
         if not generation.healthy:

@@ -32,7 +32,6 @@ Not supported (they raise): hooks that need the whole bucket (PowerSGD; hooks/sh
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -46,13 +45,15 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from ..collectives.broadcast import broadcast_int_list
 from ..engine.reduce_scatter import ReduceScatter
 from ..engine.reducer import Reducer
-from ..engine.reductions import AllReduce, CommHookReduction
+from ..engine.reductions import CommHookReduction
 from ..engine.sharding import Piece, ShardLayout, memory_order
 from ..hooks.shardable import shard_wire_dtype
 from ..wrapper.data_parallel import DataParallelWrapper
-from .elementwise import check_elementwise
+from .checks import check_usable, param_groups_over
+from .clipping import clip_shards
 from .join import ShardedJoin
 from .param_buffers import ParamBuffers, weakly
+from .plain_format import from_plain, to_plain
 from .state_exchange import PieceState, exchange, gather_full, pieces_from_full
 
 
@@ -77,7 +78,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         instead of finishing inside ``step`` ([Note: parameters gathered in place] in param_buffers.py
         says what that asks of code reading parameters between a step and the next forward).
         ``state_dict_timeout_s``: how long ``state_dict`` waits for every rank to call it."""
-        _check_usable(ddp, optimizer_class, stage, elementwise)
+        check_usable(ddp, optimizer_class, stage, elementwise)
         self._ddp = ddp
         self._engine = engine = ddp.engine
         self.stage = stage
@@ -85,7 +86,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._optimizer_class = optimizer_class
         self._kwargs = defaults
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # bad arguments fail here
-        groups = _param_groups(ddp, params)
+        groups = param_groups_over(ddp, params)
         super().__init__(groups, probe.defaults)
         self._index = {id(p): i for i, p in enumerate(engine.params)}
         self._group = ddp.process_group
@@ -230,27 +231,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         self._bind_grads(from_shards=True)
         grads = [t.grad for t in self._tensors if t.grad is not None]
-        norm_type = float(norm_type)
-        device = self._engine.buckets.device
-        if norm_type == math.inf:
-            local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
-            total = local.reshape(1).to(device)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self._group)
-        else:
-            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
-            total = local.reshape(1).to(device)
-            dist.all_reduce(total, group=self._group)
-            total = total.pow(1.0 / norm_type)
-        norm = total[0].to(grads[0].dtype if grads else torch.float32)
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
+        norm = clip_shards(grads, max_norm, norm_type, error_if_nonfinite, self._group, self._engine.buckets.device)
         self._unbind_grads()
         return norm
 
@@ -365,34 +346,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 "every rank and save from rank 0."
             ) from error
         full = gather_full(self._piece_state(), self._layout, self._engine.params, self._group)
-        numbering: dict[int, int] = {}
-        groups = []
-        for group in self.param_groups:
-            indices = [numbering.setdefault(id(p), len(numbering)) for p in group["params"]]
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": indices})
-        state = {}
-        for group in self.param_groups:
-            for param in group["params"]:
-                values = full.get(self._index[id(param)])
-                if values is not None:
-                    state[numbering[id(param)]] = values
-        return {"state": state, "param_groups": groups}
+        return to_plain(full, self.param_groups, self._index)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's plain format (from ``state_dict``, or from an unsharded optimizer); no collective."""
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups)):
-            raise ValueError(
-                "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
-            )
-        full: dict[int, dict[str, Any]] = {}
-        for saved, mine in zip(groups, self.param_groups):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
-            for index, param in zip(saved["params"], mine["params"]):
-                if index in state_dict["state"]:
-                    full[self._index[id(param)]] = state_dict["state"][index]
+        full = from_plain(state_dict, self.param_groups, self._index)
         self._inner = self._build_inner(pieces_from_full(full, self._pieces, self._engine.params))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -405,55 +363,3 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(stage={self.stage}, {self._inner!r})"
-
-
-def _check_usable(ddp: Any, optimizer_class: type, stage: int, elementwise: bool | None) -> None:
-    if not isinstance(ddp, DataParallelWrapper):
-        raise TypeError(f"ShardedOptimizer shards over a gradsync.DistributedDataParallel, got {type(ddp).__name__}.")
-    if stage not in (1, 2):
-        raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (gradients too), got {stage!r}.")
-    check_elementwise(optimizer_class, elementwise)
-    engine = ddp.engine
-    if engine.iteration > 0 or engine.synced_forwards > 0:
-        raise RuntimeError(
-            f"ShardedOptimizer must be built before the first forward of its DistributedDataParallel (rank "
-            f"{engine.rank} is at iteration {engine.iteration}): it lays the shards over the buckets."
-        )
-    if isinstance(engine.reduction, ReduceScatter):
-        raise RuntimeError(
-            f"This DistributedDataParallel already has a ShardedOptimizer (rank {engine.rank}); one per wrapper. "
-            "Pass every parameter group to that one."
-        )
-    if isinstance(engine.reduction, CommHookReduction):  # a cast hook becomes the shards' wire dtype
-        shard_wire_dtype(engine.reduction.hook, engine.reduction.name or "", engine.rank)
-    unsupported = []
-    if not isinstance(engine.reduction, (AllReduce, CommHookReduction)):
-        unsupported.append("another reduction")
-    if engine.fused_optimizer is not None:
-        unsupported.append("_register_fused_optim")
-    if unsupported:
-        raise NotImplementedError(
-            f"ShardedOptimizer does not support {', '.join(unsupported)} yet (rank {engine.rank}); use plain DDP "
-            "with an unsharded optimizer for this configuration."
-        )
-
-
-def _param_groups(ddp: DataParallelWrapper, params: Iterable[Any] | None) -> list[dict[str, Any]]:
-    """torch's param-group dicts over ``ddp``'s reduced parameters (all of them by default)."""
-    reduced = {id(p) for p in ddp.engine.params}
-    names = {id(p): n for n, p in ddp.module.named_parameters()}
-    if params is None:
-        return [{"params": list(ddp.engine.params)}]
-    groups = list(params)
-    if groups and not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    for group in groups:
-        members = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
-        outside = [names.get(id(p), f"a {tuple(p.shape)} tensor") for p in members if id(p) not in reduced]
-        if outside:
-            raise ValueError(
-                f"ShardedOptimizer can only step parameters its DistributedDataParallel reduces; {outside} are not "
-                "among them (frozen, ignored, or of another module). Pass ddp.parameters() that require grad."
-            )
-        group["params"] = members
-    return groups
