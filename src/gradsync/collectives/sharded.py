@@ -21,6 +21,19 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class _Done:
+    """The work of a finished reduce-scatter, once its handle (and the buffers it holds) was let go."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 class PendingReduceScatter:
     """An ``all_to_all_single`` in flight; ``finish`` sums what arrived into this rank's shard."""
 
@@ -49,7 +62,9 @@ class PendingReduceScatter:
             shard.copy_(chunks[0])
         for chunk in chunks[1:]:
             shard.add_(chunk)
-        self.received = self.sent = torch.empty(0, dtype=chunks.dtype)  # let the buffers go now
+        # Let the buffers go now: the work handle holds its tensors too, so it goes as well.
+        self.received = self.sent = torch.empty(0, dtype=chunks.dtype)
+        self.work = _DONE
 
 
 def start_reduce_scatter(
