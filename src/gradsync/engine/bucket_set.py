@@ -58,10 +58,12 @@ class BucketSet:
         reduce_dtype: torch.dtype | None = None,
         delay_after: int | None = None,
         pad_multiple: int = 1,
+        hold_flats: bool = True,
     ) -> None:
         """``delayed``/``delay_after``: [Note: delayed all-reduce]; ``reduce_dtype``: the flat
         buffers' dtype when it is not the parameters' own (``mixed_precision``); ``pad_multiple``: flat
-        buffers padded to a multiple of it (sharded reductions, engine/sharding.py)."""
+        buffers padded to a multiple of it (sharded reductions, engine/sharding.py); ``hold_flats``
+        False: the flat buffers start released (a reduction that allocates each one while it sends it)."""
         self.params = params
         self.sparse = sparse
         self.caps = caps
@@ -70,6 +72,7 @@ class BucketSet:
         self.delay_after = delay_after
         self.reduce_dtype = reduce_dtype
         self.pad_multiple = pad_multiple
+        self.hold_flats = hold_flats
         infos = [ParamInfo(p.numel() * p.element_size(), (p.device, p.dtype), s) for p, s in zip(params, sparse)]
         regular = [i for i in order if i not in delayed]
         self.order = regular  # with the caps, all it takes to build these buckets again elsewhere
@@ -87,6 +90,7 @@ class BucketSet:
                 reduce_lone_in_place,
                 reduce_dtype,
                 pad_multiple,
+                hold_flats,
             )
             for indices in self.assignment
         ]
@@ -109,6 +113,7 @@ class BucketSet:
         as_view: bool,
         reduce_lone_in_place: bool,
         pad_multiple: int | None = None,
+        hold_flats: bool | None = None,
     ) -> BucketSet:
         """A new assignment in ``order`` (padded as now unless ``pad_multiple`` says otherwise);
         bucket-view gradients move into the new buckets."""
@@ -116,7 +121,8 @@ class BucketSet:
             # Nothing aliases the old flat buffers: free them before allocating the new ones,
             # so the rebuild does not hold two copies of every gradient at once.
             self.storages = []
-        layout = (self.delayed, self.reduce_dtype, self.delay_after, pad_multiple or self.pad_multiple)
+        hold = self.hold_flats if hold_flats is None else hold_flats
+        layout = (self.delayed, self.reduce_dtype, self.delay_after, pad_multiple or self.pad_multiple, hold)
         new = BucketSet(self.params, self.sparse, order, caps, reduce_lone_in_place, *layout)
         if as_view:
             for storage in new.storages:

@@ -48,6 +48,7 @@ class ReduceScatter(Reduction):
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.keep_full = keep_full
+        self.holds_buckets = keep_full  # ZeRO-2: [Note: buckets released as they drain]
         self.layout: ShardLayout | None = None
         self.grad_shards: list[torch.Tensor] = []  # per bucket: this rank's range of the average
         # Per bucket: the shard holds results not yet consumed by a step (the next backward adds).
@@ -104,6 +105,10 @@ class ReduceScatter(Reduction):
         self.used = None
         self._in_flight = []
         self._first_of_pass = None
+
+    def before_rebuild(self) -> None:
+        if self.views:
+            self.grad_shards = []  # views of the old buckets, which then go before the new ones exist
 
     def start(self, context: LaunchContext, b: int) -> Started:
         storage = context.buckets.storages[b]
@@ -204,7 +209,7 @@ class ReduceScatter(Reduction):
                 gathers.append(None)  # skipped (every parameter unused) or failed: nothing arrived
                 continue
             flat = buckets.storages[b].flat
-            gathers.append(start_all_gather(flat, self.grad_shards[b], self.group, self.wire_dtype))
+            gathers.append(_GatherWhenWaited(flat, self.grad_shards[b], self.group, self.wire_dtype))
         errors.extend(buckets.write_back(gathers, as_view or self.views, globally_used, unused, None, times))
         return errors
 
@@ -251,3 +256,21 @@ class ReduceScatter(Reduction):
         """The optimizer stepped on the shards (or ``zero_grad`` cleared them): the next backward overwrites."""
         self.filled = [False] * len(self.filled)
         self.used = None
+
+
+class _GatherWhenWaited:
+    """ZeRO-1's all-gather of one bucket's shards, started only when ``write_back`` waits for it.
+
+    gloo's all-gather allocates a temporary as large as its output on its worker thread, one per
+    gather in flight (two threads: two buckets); one at a time keeps that to one bucket, at the
+    cost of the small gap between two gathers at the end of backward.
+    """
+
+    __slots__ = ("flat", "shard", "group", "wire_dtype")
+
+    def __init__(self, flat: torch.Tensor, shard: torch.Tensor, group: Any, wire_dtype: torch.dtype | None) -> None:
+        self.flat, self.shard, self.group, self.wire_dtype = flat, shard, group, wire_dtype
+
+    def wait(self) -> None:
+        start_all_gather(self.flat, self.shard, self.group, self.wire_dtype).wait()
+

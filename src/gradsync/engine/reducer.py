@@ -419,7 +419,9 @@ class Reducer:
         does not keep local gradients; the reduction and the records follow the new layout."""
         in_place = self.reduction.reduces_lone_in_place and not self.config.keep_local_grads
         as_view = self.config.gradient_as_bucket_view
-        self.buckets = self.buckets.rebuilt(order, self.caps, as_view, in_place, pad_multiple)
+        hold = self.reduction.holds_buckets
+        self.reduction.before_rebuild()  # what it holds of the old buffers goes first: no two copies at once
+        self.buckets = self.buckets.rebuilt(order, self.caps, as_view, in_place, pad_multiple, hold)
         self.records.running.new_layout(len(self.buckets.storages))
         self.reduction.adopt_buckets(self.buckets)
         self._begin_pass()

@@ -66,11 +66,15 @@ class Reduction:
     hook: CommHook | None = None
     state: Any = None  # a comm hook's state
     reduces_lone_in_place = False  # may a lone large gradient be reduced in its own .grad?
+    holds_buckets = True  # False: the flat buffers are allocated only while a bucket is sent
     # Who else a joined rank must shadow with this reduction (a sharded optimizer's step), or None.
     join_partner: Any = None
 
     def adopt_buckets(self, buckets: BucketSet) -> None:
         """The reducer's buckets were (re)built: a reduction that keeps per-bucket state rebuilds it."""
+
+    def before_rebuild(self) -> None:
+        """New buckets are about to replace the current ones: let go of views of their buffers."""
 
     def start(self, context: LaunchContext, b: int) -> Started:
         raise NotImplementedError

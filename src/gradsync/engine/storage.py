@@ -61,13 +61,16 @@ class BucketStorage:
         lone_in_place: bool = False,
         dtype: torch.dtype | None = None,
         pad_multiple: int = 1,
+        hold_flat: bool = True,
     ):
         """``lone_in_place``: a one-parameter dense bucket is normally reduced in that parameter's
         ``.grad`` (``untouched``), so its flat buffer is allocated uninitialised and costs no resident
         memory until a fallback writes it (every path writes the whole buffer before reading it).
         ``dtype``: the flat buffer's, when reductions run in another precision than the parameters'.
         ``pad_multiple``: the flat buffer is zero-padded to a multiple of it, so that it cuts into
-        that many equal shards (a reduce-scatter over the group; engine/sharding.py)."""
+        that many equal shards (a reduce-scatter over the group; engine/sharding.py).
+        ``hold_flat`` False: the flat buffer starts released (``release``), for a reduction that
+        allocates it only while it sends it."""
         dtype = dtype or params[0].dtype
         self.untouched = lone_in_place and not sparse and len(params) == 1 and dtype == params[0].dtype
         self.param_indices = param_indices
@@ -83,10 +86,12 @@ class BucketStorage:
             self.flat = torch.empty(0, dtype=dtype, device=params[0].device)
             self.views: list[torch.Tensor] = []
         else:
-            allocate = torch.empty if self.untouched else torch.zeros
+            allocate = torch.empty if self.untouched or not hold_flat else torch.zeros
             padded = -(-total // pad_multiple) * pad_multiple
             self.flat = allocate(padded, dtype=dtype, device=params[0].device)
             self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
+            if not hold_flat:
+                self.flat.untyped_storage().resize_(0)  # views are made first: they check the bounds
         self._data_ptr = self.flat.data_ptr()
         # See [Note: one pass per gradient] in bucket_set.py. benchmarks/studies/copy_in.py measured the
         # crossover at ~16K elements per gradient (one call each costs a second pass over that many).

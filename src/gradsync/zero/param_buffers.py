@@ -95,6 +95,12 @@ class ParamBuffers:
         for b in order:
             self.pending[b] = start_all_gather(self.flats[b], self.own_range(b), self.group)
 
+    def gather_now(self, order: Iterable[int]) -> None:
+        """Every bucket's all-gather, one after the other: gloo allocates a temporary as large as a
+        bucket for each gather it runs (two at a time), so when nothing is to overlap them, one."""
+        for b in order:
+            start_all_gather(self.flats[b], self.own_range(b), self.group).wait()
+
     def wait(self, b: int) -> None:
         work = self.pending.pop(b, None)
         if work is not None:

@@ -178,9 +178,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._inner.step()
         self._reduction.consumed()
         self._unbind_grads()
-        self._params.start(self._gather_order())
-        if not self.overlap_param_gather or self._in_join():
-            self._params.wait_all()
+        if self.overlap_param_gather and not self._in_join():
+            self._params.start(self._gather_order())
+        else:
+            self._params.gather_now(self._gather_order())
 
     def shadow_step(self) -> None:
         """A joined rank's part of the step of the ranks still training (called by the DDP's join hook).
@@ -278,9 +279,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self._check_engine()
             with torch.no_grad():
                 state = self._piece_state()
+                # Let go of what holds the old layout (the inner optimizer's views of the old parameter
+                # buffers, the old buckets), so that each old buffer is freed once its parameters moved
+                # and each old state key once it was sent: the relayout then holds little more than one
+                # layout at a time.
+                self._inner, self._tensors, self._buckets = None, [], self._engine.buckets
                 old, new = self._layout, self._reduction.layout
                 self._params.adopt(self._engine.buckets, new)
-                self._layout, self._buckets, self._order = new, self._engine.buckets, None
+                self._layout, self._order = new, None
                 moved = exchange(state, old, new, self._group, self._engine.buckets.device)
                 self._inner = self._build_inner(moved)
 

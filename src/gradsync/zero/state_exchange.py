@@ -97,7 +97,11 @@ def _overlaps(
 def exchange(
     state: PieceState, old: ShardLayout, new: ShardLayout, group: dist.ProcessGroup, device: torch.device
 ) -> PieceState:
-    """This rank's state for its pieces of ``new``, from every rank's pieces of ``old`` ([Note: state per piece])."""
+    """This rank's state for its pieces of ``new``, from every rank's pieces of ``old`` ([Note: state per piece]).
+
+    ``state`` is consumed: each key's tensors are dropped once they are in the send buffer, so at most
+    one key travels at a time (its send and receive buffers) beside the keys already moved.
+    """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     meta = _agree(state, group)
     old_pieces = [old.pieces(r) for r in range(world)]
@@ -110,16 +114,21 @@ def exchange(
         receives = [_overlaps(old_pieces[s], new_pieces[rank], meta, key) for s in range(world)]
         send = [state[o][key].narrow(0, lo - o.param_start, n) for d in range(world) for o, _, lo, n in sends[d]]
         outgoing = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
+        del send
+        for values in state.values():
+            values.pop(key, None)
         recv_sizes = [sum(item[3] for item in receives[s]) for s in range(world)]
         incoming = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
         send_sizes = [sum(item[3] for item in sends[d]) for d in range(world)]
         dist.all_to_all_single(incoming, outgoing, recv_sizes, send_sizes, group=group)
+        del outgoing
         at = 0
         for s in range(world):
             for _, piece, lo, n in receives[s]:
                 target = result[piece].setdefault(key, torch.zeros(piece.length, dtype=dtype, device=device))
                 target.narrow(0, lo - piece.param_start, n).copy_(incoming.narrow(0, at, n))
                 at += n
+        del incoming  # before the next key's send buffer exists
     return result
 
 
