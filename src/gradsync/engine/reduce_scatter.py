@@ -273,4 +273,3 @@ class _GatherWhenWaited:
 
     def wait(self) -> None:
         start_all_gather(self.flat, self.shard, self.group, self.wire_dtype).wait()
-
