@@ -203,7 +203,12 @@ def _gradient_held(stage: int) -> dict:
     def note(_: torch.Tensor) -> None:
         allocated = sum(s.flat.untyped_storage().nbytes() > 0 for s in storages())
         grads = sum(p.grad is not None for p in ddp.module.parameters())
+        # Drained reduce-scatters hold neither buffers nor their work handle (which holds the buffers).
+        in_flight = {id(pending) for _, pending, _ in ddp.engine.reduction._in_flight}
+        drained = [p for p in ddp.engine.current.launched if p is not None and id(p) not in in_flight]
+        held = sum(p.received.numel() + isinstance(p.work, dist.Work) for p in drained)
         peak["buckets"], peak["grads"] = max(peak["buckets"], allocated), max(peak["grads"], grads)
+        peak["held_by_drained"] = max(peak.get("held_by_drained", 0), held)
 
     for param in ddp.module.parameters():
         param.register_post_accumulate_grad_hook(note)  # after the reducer's own: the bucket may have launched
@@ -227,6 +232,7 @@ def test_stage_2_holds_a_bucket_only_while_it_is_sent() -> None:
     for result in run_distributed(_gradient_held, 2, 2):
         assert result["buckets"] >= 4, result
         assert result["peak"]["buckets"] <= 2 and result["after"] == 0, result
+        assert result["peak"]["held_by_drained"] == 0, result
     for result in run_distributed(_gradient_held, 2, 1):
         assert result["grad_views"], result
 
