@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-elastic test lint bench clean
+.PHONY: demo demo-elastic etcd test lint bench clean
 
 $(STAMP): pyproject.toml Makefile constraints-dev.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +18,24 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_digits.py
 
 # Fault tolerance: 3 replicas, one killed mid-backward, the others go on, it heals (examples/elastic_demo.py).
-demo-elastic: $(STAMP)
-	$(PY) examples/elastic_demo.py
+# ETCD=1: the store is a local 3-member etcd cluster, and its leader is SIGKILLed mid-training too.
+demo-elastic: $(STAMP) $(if $(ETCD),etcd)
+	$(PY) examples/elastic_demo.py $(if $(ETCD),--etcd)
 
-# The import contracts of docs/architecture.md first (a second), then the tests.
-test: $(STAMP)
+# etcd for the etcd store's tests and `make demo-elastic ETCD=1`: Debian's etcd-server unpacked into
+# .etcd/ (apt-get download + dpkg -x; nothing installed system-wide). Never fails: where etcd cannot be
+# had, the reason goes to .etcd/unavailable and the etcd tests skip with it (pytest -ra prints it).
+etcd:
+	@mkdir -p .etcd
+	@if [ -x .etcd/usr/bin/etcd ] || command -v etcd >/dev/null 2>&1; then rm -f .etcd/unavailable; \
+	elif (cd .etcd && { apt-get download etcd-server || { apt-get update -qq && apt-get download etcd-server; }; } \
+	      && dpkg -x etcd-server_*.deb . && rm -f etcd-server_*.deb) >.etcd/fetch.log 2>&1 \
+	      && [ -x .etcd/usr/bin/etcd ]; then rm -f .etcd/unavailable; echo "etcd: $$(.etcd/usr/bin/etcd --version | head -1)"; \
+	else { echo "apt-get download etcd-server + dpkg -x failed:"; tail -n 3 .etcd/fetch.log; } >.etcd/unavailable; \
+	     echo "etcd unavailable, the etcd tests will skip: $$(tr '\n' ' ' <.etcd/unavailable)"; fi
+
+# The import contracts of docs/architecture.md first (a second), then the tests (etcd's need `make etcd`).
+test: $(STAMP) etcd
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
@@ -35,4 +48,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks iteration
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .etcd build *.egg-info src/*.egg-info

@@ -44,7 +44,7 @@ PUBLIC = {
         "powersgd_hook",
         "topk_hook",
     ],
-    "gradsync.elastic": ["ElasticRun", "FaultTolerant", "Generation", "init", "serve"],
+    "gradsync.elastic": ["ElasticRun", "EtcdStore", "EtcdUnavailable", "FaultTolerant", "Generation", "init", "serve"],
     "gradsync.zero": ["ShardedOptimizer", "load_sharded", "save_sharded"],
     "gradsync.integrations.lightning": ["GradsyncDDPStrategy", "GradsyncFabricDDPStrategy"],
     # Modules people import by path (docs, examples, python -m).

@@ -15,14 +15,16 @@ Opt-in; plain ``gradsync.DistributedDataParallel`` is unchanged by it. Usage::
         ft.step()        # True: committed by every member; the survivors redo a step a death interrupted
     ft.close()
 
-The store is hosted outside the trainers: ``python -m gradsync.elastic.store --port 29400``.
+The store is hosted outside the trainers: ``python -m gradsync.elastic.store --port 29400``, or
+replicated by an etcd cluster (``store="etcd://h1:2379,h2:2379,h3:2379"``; ``EtcdStore``).
 Each replica is started by its own launcher (``torchrun --nproc-per-node 1 --max-restarts N``),
 so a dead one is restarted alone and joins again. See docs/fault_tolerance.md.
 """
 
+from .etcd_store import EtcdStore, EtcdUnavailable
 from .fault_tolerant import FaultTolerant
 from .membership import Generation
 from .run import ElasticRun, init
 from .tcp_store import serve
 
-__all__ = ["ElasticRun", "FaultTolerant", "Generation", "init", "serve"]
+__all__ = ["ElasticRun", "EtcdStore", "EtcdUnavailable", "FaultTolerant", "Generation", "init", "serve"]

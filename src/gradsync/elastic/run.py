@@ -18,11 +18,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from . import membership
+from .backends import connect
 from .commit import QUICK_TIMEOUT
 from .heartbeat import Heartbeat
 from .keys import Keys
 from .membership import Generation
-from .tcp_store import connect
 
 _current: ElasticRun | None = None
 
@@ -34,8 +34,8 @@ class ElasticRun:
     address: str
     run_id: str
     keys: Keys
-    store: dist.TCPStore
-    quick_store: dist.TCPStore  # the same store, for reads that give up soon (commit.QUICK_TIMEOUT)
+    store: dist.Store  # a TCPStore or an EtcdStore (backends.py)
+    quick_store: dist.Store  # the same store, for reads that give up soon (commit.QUICK_TIMEOUT)
     uuid: str
     heartbeat: Heartbeat
     replicas: int
@@ -74,7 +74,11 @@ def init(
     heartbeat_timeout_s: float = 2.0,
     join_timeout_s: float = 600.0,
 ) -> ElasticRun:
-    """Join run ``run_id`` through the store at ``store`` (``host:port``); returns this process's place.
+    """Join run ``run_id`` through the store at ``store``; returns this process's place.
+
+    ``store``: ``host:port`` (a TCPStore, ``python -m gradsync.elastic.store``) or
+    ``etcd://h1:2379,h2:2379,h3:2379`` (an etcd cluster, replicated: [Note: a store that survives
+    losing a machine] in etcd_store.py).
 
     Defaults come from the environment: ``GRADSYNC_STORE``, ``GRADSYNC_RUN_ID`` (else "run"),
     ``GRADSYNC_REPLICAS``. ``timeout_s`` bounds every collective (a hung peer is noticed sooner,
@@ -84,7 +88,10 @@ def init(
     global _current
     address = store or os.environ.get("GRADSYNC_STORE")
     if not address:
-        raise ValueError("gradsync.elastic.init needs the store address: pass store='host:port' or set GRADSYNC_STORE.")
+        raise ValueError(
+            "gradsync.elastic.init needs the store address: pass store='host:port' (or "
+            "'etcd://h1:2379,h2:2379,h3:2379') or set GRADSYNC_STORE."
+        )
     count = replicas if replicas is not None else int(os.environ.get("GRADSYNC_REPLICAS", "0"))
     if count < 1:
         raise ValueError("gradsync.elastic.init needs the number of replicas: pass replicas=N or set GRADSYNC_REPLICAS")
