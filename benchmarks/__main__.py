@@ -9,7 +9,7 @@ study needs:
   it is started as ``python -m benchmarks.studies.STUDY`` instead, and starts torchrun inside the
   shaped namespace itself (lib/link.py's ``enter``); with ``-h``/``--help`` it runs as one process,
   which prints its options;
-- a launcher that starts its own ranks (``scaling``, ``elastic``) and a single-process study run
+- a launcher that starts its own ranks (``scaling``, ``elastic``, ``zero``) and a single-process study run
   as ``python -m benchmarks.studies.STUDY``.
 
 ``OMP_NUM_THREADS`` is 1 unless set, and the repository root is put first on ``PYTHONPATH``.
@@ -41,6 +41,8 @@ STUDIES: dict[str, tuple[str, bool, str]] = {
     "trace_overhead": (TORCHRUN, False, ""),
     "elastic": (LAUNCHER, False, " {overhead,recovery,all}"),
     "link_chart": (SINGLE, False, " --out PNG SUITE_REPORT..."),
+    "zero": (LAUNCHER, True, " {memory,speed}"),
+    "etcd": (LAUNCHER, False, " {faults,decide,overhead,all}"),
 }
 HEADLINE = "iteration"  # make bench
 

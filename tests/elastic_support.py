@@ -29,15 +29,18 @@ WORKER = Path(__file__).parent / "jobs" / "elastic_worker.py"
 
 
 class ElasticJob:
+    worker = WORKER
+
     def __init__(self, out: Path, run_id: str, **options: object) -> None:
         self.store = serve("127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self.store.port}"  # what the trainers are given (EtcdJob: etcd://...)
         self.out = out
         self.run_id = run_id
         self.options = options
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, **extra: object) -> subprocess.Popen:
-        argv = [sys.executable, str(WORKER), "--store", f"127.0.0.1:{self.store.port}", "--run-id", self.run_id]
+        argv = [sys.executable, str(self.worker), "--store", self.address, "--run-id", self.run_id]
         argv += ["--out", str(self.out), "--name", name]
         for key, value in {**self.options, **extra}.items():
             argv += [f"--{key.replace('_', '-')}"] + ([str(value)] if value != "" else [])

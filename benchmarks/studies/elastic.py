@@ -108,9 +108,7 @@ def overhead(names: list[str], rounds: int) -> list[str]:
     store = elastic.serve("127.0.0.1", 0)
     out = Path(tempfile.mkdtemp(prefix="gradsync-elastic-bench-"))
     env = _env(store, 2)
-    procs = [
-        _spawn(["_overhead", str(out), ",".join(names), str(rounds)], env, out / f"rank{r}.log") for r in range(2)
-    ]
+    procs = [_spawn(["_overhead", str(out), ",".join(names), str(rounds)], env, out / f"rank{r}.log") for r in range(2)]
     codes = [p.wait(timeout=3600) for p in procs]
     if any(codes):
         raise SystemExit(f"overhead workers failed: {codes}; logs in {out}")

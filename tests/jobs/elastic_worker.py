@@ -126,6 +126,7 @@ def main() -> None:
     if phase == "backward" or phase == "hang":
         first = ddp.module[0].weight  # its gradient comes last in backward: most buckets are in flight
         first.register_hook(lambda g: _fault_now(phase, at_step, ft) or g)
+
     def waiting() -> bool:  # the same answer on every member at the same step
         admitted = any(h["reason"].startswith("admitting") for h in run.history)
         return args.await_joiner and not (joiner or admitted)

@@ -11,6 +11,13 @@ Costs two store round trips per member and step (about 0.1 ms each on an idle lo
 The committing member also admits the joiners that arrived since the last admission (it looks
 at most twice a second); the decision names them, so every member starts the same next
 generation.
+
+A store with a ``vote`` method (etcd_store.py: multi-key transactions) does the count and the
+commit in one transaction per member instead: each member writes its own vote key, and the
+transaction that finds every other member's vote there (and no decision yet) also writes
+``commit``. etcd applies transactions one at a time, so exactly one member is last. Each member
+looks for joiners before it votes (at most twice a second), so that the last one can name them.
+The decision key, the abort and everything after are the same for both stores.
 """
 
 from __future__ import annotations
@@ -48,18 +55,21 @@ def decide(
     heartbeat: Heartbeat,
     look_for_joiners: bool,
 ) -> Decision:
-    """Two store round trips per member when the step commits. ``quick``: a client of the same store
+    """Two store round trips per member when the step commits (one transaction, then a read, with a store
+    that has ``vote``). ``quick``: a client of the same store
     whose ``get`` gives up after a short timeout, so that a member waiting for the decision keeps an
     eye on the heartbeats. ``look_for_joiners``: whether the deciding member checks for arrivals."""
     key = keys.decision(generation, step)
     if not ok:
         return _propose(store, key, Decision(False, [], arrivals_seen, failure))
-    if store.add(keys.ok(generation, step), 1) == len(members):
-        admit, seen = [], arrivals_seen
-        if look_for_joiners:
-            seen = max(store.add(keys.arrivals, 0), arrivals_seen)
-            admit = [store.get(keys.arrival(i)).decode() for i in range(arrivals_seen + 1, seen + 1)]
-        return _propose(store, key, Decision(True, admit, seen))
+    vote = getattr(store, "vote", None)
+    if vote is not None:  # one transaction: vote, and commit if this is the last vote ([Note: commit])
+        commit = Decision(True, *_arrivals(store, keys, arrivals_seen, look_for_joiners))
+        others = [keys.vote(generation, step, m) for m in members if m != heartbeat.uuid]
+        if vote(keys.vote(generation, step, heartbeat.uuid), others, key, json.dumps(commit.__dict__)):
+            return commit
+    elif store.add(keys.ok(generation, step), 1) == len(members):
+        return _propose(store, key, Decision(True, *_arrivals(store, keys, arrivals_seen, look_for_joiners)))
     while True:
         try:
             # get() blocks until the key is set: answered as soon as the deciding member writes it. One
@@ -71,6 +81,17 @@ def decide(
                 return _propose(
                     store, key, Decision(False, [], arrivals_seen, f"members {sorted(gone)} stopped beating")
                 )
+            # Nobody is stale, yet no answer: ask through the patient client, which waits out a store
+            # that does not answer (an etcd election) up to its own timeout and then raises, saying why.
+            store.check([key])
+
+
+def _arrivals(store: dist.Store, keys: Keys, arrivals_seen: int, look: bool) -> tuple[list[str], int]:
+    """The joiners to admit with this commit (those that arrived since ``arrivals_seen``), if ``look``."""
+    if not look:
+        return [], arrivals_seen
+    seen = max(store.add(keys.arrivals, 0), arrivals_seen)
+    return [store.get(keys.arrival(i)).decode() for i in range(arrivals_seen + 1, seen + 1)], seen
 
 
 def _propose(store: dist.Store, key: str, decision: Decision) -> Decision:

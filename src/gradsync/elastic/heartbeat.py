@@ -4,6 +4,14 @@ A counter rather than a timestamp, so clocks of different machines never get com
 process notes, on its own clock, when it last saw a peer's count change. A SIGSTOPped process
 stops beating like a dead one. One thread per process beats and watches on its own store
 connection, so a main thread stuck in a collective does not stop it.
+
+[Note: silence is counted only while the store answers]
+A peer is stale when its count has not changed for ``timeout_s`` *of observation*: measured up to
+this process's last successful round of reads, not up to now. When the store stops answering
+for a while (an etcd leader election: 1-2.5 s at etcd's defaults), nobody's beats land, so the
+silence of that stretch says nothing about the peers: during it nobody turns stale, and after
+it a peer whose count has not moved is given ``grace_s`` (about five beats) to show that it
+lives before it is taken for dead. A round that fails is skipped; the thread keeps beating.
 """
 
 from __future__ import annotations
@@ -13,8 +21,8 @@ import time
 from collections.abc import Iterable
 from datetime import timedelta
 
+from .backends import connect
 from .keys import Keys
-from .tcp_store import connect
 
 
 class Heartbeat:
@@ -26,6 +34,8 @@ class Heartbeat:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._seen: dict[str, tuple[int, float]] = {}  # uuid -> (last count, when it last changed)
+        self._observed = time.monotonic()  # when the last round of reads succeeded
+        self.grace_s = min(timeout_s, 5 * period_s)  # after a gap in observation ([Note: silence is counted ...])
         self._watched: set[str] = set()
         self._stop = threading.Event()
         self._store.add(keys.heartbeat(uuid), 1)  # beating before anyone can look for it
@@ -41,30 +51,36 @@ class Heartbeat:
                 self._seen.setdefault(uuid, (-1, now))
 
     def stale(self) -> set[str]:
-        """Watched peers whose count has not changed for ``timeout_s``."""
-        now = time.monotonic()
+        """Watched peers whose count has not changed for ``timeout_s`` of observation."""
         with self._lock:
-            return {u for u in self._watched if now - self._seen[u][1] > self.timeout_s}
+            return {u for u in self._watched if self._observed - self._seen[u][1] > self.timeout_s}
 
     def alive(self, uuid: str) -> bool:
         return uuid == self.uuid or uuid not in self.stale()
 
     def _run(self) -> None:
         key = self._keys.heartbeat(self.uuid)
-        try:
-            while not self._stop.wait(self.period_s):
+        while not self._stop.wait(self.period_s):
+            try:
                 self._store.add(key, 1)
                 with self._lock:
                     watched = list(self._watched)
                 counts = {u: self._store.add(self._keys.heartbeat(u), 0) for u in watched}
-                now = time.monotonic()
-                with self._lock:
-                    for uuid, count in counts.items():
-                        last = self._seen.get(uuid)
-                        if last is None or last[0] != count:
-                            self._seen[uuid] = (count, now)
-        except Exception:  # noqa: BLE001 - the store is gone: the run is over, nothing to beat for
-            return
+            except Exception:  # noqa: BLE001 - no answer in time: nothing observed this round
+                continue
+            self._note(counts)
+
+    def _note(self, counts: dict[str, int]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            gap = now - self._observed > 2 * self.period_s + self.grace_s / 2
+            self._observed = now
+            for uuid, count in counts.items():
+                last = self._seen.get(uuid)
+                if last is None or last[0] != count:
+                    self._seen[uuid] = (count, now)
+                elif gap:  # unobserved for a while: a grace before its silence counts again
+                    self._seen[uuid] = (count, max(last[1], now - self.timeout_s + self.grace_s))
 
     def stop(self) -> None:
         """Stop beating (peers see this process as gone after their timeout)."""

@@ -37,5 +37,8 @@ class Keys:
     def ok(self, generation: int, step: int) -> str:
         return f"{self.root}/gen/{generation}/step/{step}/ok"
 
+    def vote(self, generation: int, step: int, uuid: str) -> str:
+        return f"{self.root}/gen/{generation}/step/{step}/vote/{uuid}"  # a member's ok (stores with vote())
+
     def decision(self, generation: int, step: int) -> str:
         return f"{self.root}/gen/{generation}/step/{step}/decision"
