@@ -68,11 +68,20 @@ class PendingReduceScatter:
 
 
 def start_reduce_scatter(
-    padded: torch.Tensor, group: dist.ProcessGroup, wire_dtype: torch.dtype | None = None
+    padded: torch.Tensor,
+    group: dist.ProcessGroup,
+    wire_dtype: torch.dtype | None = None,
+    receive: torch.Tensor | None = None,
 ) -> PendingReduceScatter:
-    """Start reducing ``padded`` (its length a multiple of the group's size) over ``group``, sent in ``wire_dtype``."""
+    """Start reducing ``padded`` (its length a multiple of the group's size) over ``group``, sent in ``wire_dtype``.
+
+    ``receive``: a buffer of the wire's dtype at least as long as ``padded`` to receive in (reused), or
+    None for a fresh one."""
     sent = padded if wire_dtype is None or wire_dtype == padded.dtype else padded.to(wire_dtype)
-    received = torch.empty_like(sent)
+    if receive is not None and receive.dtype == sent.dtype and receive.numel() >= sent.numel():
+        received = receive.narrow(0, 0, sent.numel())
+    else:
+        received = torch.empty_like(sent)
     work = dist.all_to_all_single(received, sent, group=group, async_op=True)
     return PendingReduceScatter(work, sent, received, dist.get_world_size(group))
 

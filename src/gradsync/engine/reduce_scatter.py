@@ -39,6 +39,7 @@ from .storage import BucketStorage
 from .tolerance import DeferredStep, Tolerance
 
 # Buckets sent and not yet drained when the next launches: [Note: buckets released as they drain].
+# ZeRO-2's buckets share one send and one receive buffer, which takes this to be 1.
 IN_FLIGHT = 1
 
 
@@ -64,6 +65,9 @@ class ReduceScatter(Reduction):
         self._in_flight: list[tuple[int, PendingReduceScatter, BucketStorage]] = []  # launched, not drained
         self._done_at: dict[int, float] = {}  # drained buckets of this pass: when
         self._first_of_pass: bool | None = None  # whether this pass is the first since the shards were consumed
+        self._storages: list[BucketStorage] = []
+        self._receive: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # ZeRO-2's shared receive buffers
+        self._buffers_suspect = False  # a collective failed: the shared buffers are replaced before reuse
 
     def compress(self, hook: Any, state: Any, name: str, wire_dtype: torch.dtype | None) -> None:
         """Send in ``wire_dtype`` what the cast hook ``hook`` would have (kept to name it, and to refuse a second)."""
@@ -98,13 +102,33 @@ class ReduceScatter(Reduction):
                 torch.zeros(n, dtype=s.params[0].dtype, device=buckets.device)
                 for n, s in zip(self.layout.shard_numel, storages)
             ]
+        self._storages = storages
         if not self.keep_full:
-            for storage in storages:
-                storage.release()  # [Note: buckets released as they drain]
+            self._share_buffers()
         self.filled = [False] * len(self.grad_shards)
         self.used = None
         self._in_flight = []
         self._first_of_pass = None
+
+    def _share_buffers(self) -> None:
+        """ZeRO-2: one send and one receive buffer, as large as the largest bucket, for every bucket.
+
+        [Note: buckets released as they drain] says why one of each is enough. Reused, they cost
+        no allocation per bucket and step: fresh buffers each time made the allocator hand out new
+        pages (page faults, system time) and kept the resident size near DDP's, and gloo's
+        all_to_all is slower into fresh memory (benchmarks/results/2026-12-01-zero-speed-large_grad.md).
+        """
+        largest: dict[tuple[torch.dtype, torch.device], int] = {}
+        for storage in self._storages:
+            key = (storage.flat.dtype, storage.flat.device)
+            largest[key] = max(largest.get(key, 0), storage.flat.numel())
+        send = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in largest.items()}
+        for storage in self._storages:
+            storage.share(send[(storage.flat.dtype, storage.flat.device)])
+        self._receive = {
+            key: torch.empty(n, dtype=self.wire_dtype or key[0], device=key[1]) for key, n in largest.items()
+        }
+        self._buffers_suspect = False
 
     def before_rebuild(self) -> None:
         if self.views:
@@ -116,8 +140,13 @@ class ReduceScatter(Reduction):
             self._first_of_pass = not any(self.filled)
         errors: list[str | Exception] = self._drain(keep=IN_FLIGHT - 1)
         as_view = context.as_view or self.views
+        receive = None
         try:
-            storage.reallocate()
+            if not self.keep_full:
+                if self._buffers_suspect:  # a failed collective may still write into them: fresh ones
+                    self._share_buffers()
+                storage.zero_padding()  # the shared buffer's tail holds what a larger bucket left
+                receive = self._receive[(storage.flat.dtype, storage.flat.device)]
             context.buckets.gather_grads(b, as_view, context.unused, context.names, context.take_divisor())
         except (RuntimeError, ValueError) as error:
             return Started(None, [*errors, f"{error} ({context.where})"])
@@ -125,8 +154,9 @@ class ReduceScatter(Reduction):
             for param in storage.params:
                 param.grad = None  # ZeRO-2 keeps no full gradient: the bucket holds it until it is sent
         try:
-            pending = start_reduce_scatter(storage.flat, self.group, self.wire_dtype)
+            pending = start_reduce_scatter(storage.flat, self.group, self.wire_dtype, receive)
         except RuntimeError as error:  # a dead peer can fail the launch itself
+            self._buffers_suspect = True
             return Started(None, [*errors, f"reduce-scatter failed on bucket {b}: {error}"])
         self._in_flight.append((b, pending, storage))
         return Started(pending, errors)
@@ -136,11 +166,11 @@ class ReduceScatter(Reduction):
 
         [Note: buckets released as they drain]
         ZeRO-2 needs a bucket's full gradient only from its launch until its reduce-scatter
-        completed, so each bucket's flat buffer is allocated at its launch (``reallocate``) and freed
-        once it drained (``release``), with the receive buffer; ``.grad`` is dropped at the launch.
-        A bucket drains at the next launch after it completed, and at the latest when it is the
-        ``IN_FLIGHT``-th one before the bucket launching, so the gradient held at any time is the
-        bucket filling (autograd's ``.grad``) plus ``IN_FLIGHT`` sent buckets and their receive
+        completed; ``.grad`` is dropped at the launch. A bucket drains at the next launch after it
+        completed, and at the latest when it is the ``IN_FLIGHT``-th one before the bucket
+        launching. With ``IN_FLIGHT == 1`` every bucket has drained before the next one is gathered,
+        so all of them share one send buffer and one receive buffer (``_share_buffers``): the
+        gradient held at any time is the bucket filling (autograd's ``.grad``) plus those two
         buffers, instead of all of it. Draining is a local sum: when it happens does not change
         which collectives a rank issues, or their order. ZeRO-1 keeps its buckets (they are
         ``.grad``) and drains only the receive buffers.
@@ -154,11 +184,10 @@ class ReduceScatter(Reduction):
             except Exception as error:  # noqa: BLE001 - reported with the bucket named
                 errors.append(f"reduce-scatter failed on bucket {b}: {error}")
                 pending.failed = True
+                self._buffers_suspect = True
                 continue
             self._done_at[b] = now()
             self.filled[b] = True
-            if not self.keep_full:
-                storage.release()
         return errors
 
     def start_zeros(self, buckets: BucketSet, b: int) -> Any:

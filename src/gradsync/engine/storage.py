@@ -90,8 +90,8 @@ class BucketStorage:
             padded = -(-total // pad_multiple) * pad_multiple
             self.flat = allocate(padded, dtype=dtype, device=params[0].device)
             self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, params)]
-            if not hold_flat:
-                self.flat.untyped_storage().resize_(0)  # views are made first: they check the bounds
+            if not hold_flat:  # ``share`` gives it memory; views are made first: they check the bounds
+                self.flat.untyped_storage().resize_(0)
         self._data_ptr = self.flat.data_ptr()
         # See [Note: one pass per gradient] in bucket_set.py. benchmarks/studies/copy_in.py measured the
         # crossover at ~16K elements per gradient (one call each costs a second pass over that many).
@@ -105,25 +105,21 @@ class BucketStorage:
         self._data_ptr = self.flat.data_ptr()
         return True
 
-    def release(self) -> None:
-        """Free the flat buffer's memory; the tensor and its views stay, to be refilled (``reallocate``).
+    def share(self, buffer: torch.Tensor) -> None:
+        """Keep the flat buffer in the front of ``buffer``, which other buckets use too (never at once).
 
-        A sharded optimizer's ZeRO-2 holds a bucket only while it is sent ([Note: buckets released as
-        they drain] in reduce_scatter.py). Shrinking the storage keeps every view valid once it grows back.
+        A sharded optimizer's ZeRO-2 holds one bucket at a time ([Note: buckets released as they
+        drain] in reduce_scatter.py), so its buckets share one buffer; ``zero_padding`` before each use.
         """
-        if not self.sparse:
-            self.flat.untyped_storage().resize_(0)
-
-    def reallocate(self) -> None:
-        """Give a released flat buffer memory again, its padding zeroed (the rest is written before read)."""
-        storage = self.flat.untyped_storage()
-        needed = self.flat.numel() * self.flat.element_size()
-        if self.sparse or storage.nbytes() >= needed:
-            return
-        storage.resize_(needed)
-        numel = self.offsets[-1] + self.params[-1].numel()
-        self.flat.narrow(0, numel, self.flat.numel() - numel).zero_()
+        self.flat = buffer.narrow(0, 0, self.flat.numel())
+        self.views = [make_view(self.flat, o, p) for o, p in zip(self.offsets, self.params)]
         self._data_ptr = self.flat.data_ptr()
+
+    def zero_padding(self) -> None:
+        """Zero the padding after the parameters' elements (a shared buffer's earlier user wrote there)."""
+        numel = self.offsets[-1] + self.params[-1].numel()
+        if numel < self.flat.numel():
+            self.flat.narrow(0, numel, self.flat.numel() - numel).zero_()
 
     @property
     def nbytes(self) -> int:
