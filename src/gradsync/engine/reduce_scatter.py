@@ -103,15 +103,14 @@ class ReduceScatter(Reduction):
                 for n, s in zip(self.layout.shard_numel, storages)
             ]
         self._storages = storages
-        if not self.keep_full:
-            self._share_buffers()
+        self._share_buffers()
         self.filled = [False] * len(self.grad_shards)
         self.used = None
         self._in_flight = []
         self._first_of_pass = None
 
     def _share_buffers(self) -> None:
-        """ZeRO-2: one send and one receive buffer, as large as the largest bucket, for every bucket.
+        """One receive buffer (and, for ZeRO-2, one send buffer), as large as the largest bucket, for every bucket.
 
         [Note: buckets released as they drain] says why one of each is enough. Reused, they cost
         no allocation per bucket and step: fresh buffers each time made the allocator hand out new
@@ -122,9 +121,10 @@ class ReduceScatter(Reduction):
         for storage in self._storages:
             key = (storage.flat.dtype, storage.flat.device)
             largest[key] = max(largest.get(key, 0), storage.flat.numel())
-        send = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in largest.items()}
-        for storage in self._storages:
-            storage.share(send[(storage.flat.dtype, storage.flat.device)])
+        if not self.keep_full:  # ZeRO-1's buckets are its .grad: each keeps its own
+            send = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in largest.items()}
+            for storage in self._storages:
+                storage.share(send[(storage.flat.dtype, storage.flat.device)])
         self._receive = {
             key: torch.empty(n, dtype=self.wire_dtype or key[0], device=key[1]) for key, n in largest.items()
         }
@@ -140,13 +140,12 @@ class ReduceScatter(Reduction):
             self._first_of_pass = not any(self.filled)
         errors: list[str | Exception] = self._drain(keep=IN_FLIGHT - 1)
         as_view = context.as_view or self.views
-        receive = None
         try:
+            if self._buffers_suspect:  # a failed collective may still write into them: fresh ones
+                self._share_buffers()
             if not self.keep_full:
-                if self._buffers_suspect:  # a failed collective may still write into them: fresh ones
-                    self._share_buffers()
                 storage.zero_padding()  # the shared buffer's tail holds what a larger bucket left
-                receive = self._receive[(storage.flat.dtype, storage.flat.device)]
+            receive = self._receive[(storage.flat.dtype, storage.flat.device)]
             context.buckets.gather_grads(b, as_view, context.unused, context.names, context.take_divisor())
         except (RuntimeError, ValueError) as error:
             return Started(None, [*errors, f"{error} ({context.where})"])
