@@ -269,3 +269,14 @@ def enter(rate: str | None, nproc: int | None) -> None:
     script = launch.python_m(module, args) if nproc is None else launch.torchrun_m(module, args, nproc)
     env = launch.env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     raise SystemExit(run_inside(rate, script, env))
+
+
+def enter_launcher(rate: str | None, per_rank_links: bool) -> None:
+    """A launcher's start: with one link per rank, check they can be made (each rank is started behind
+    its own); otherwise, with ``--link``, rerun the launcher inside a shaped namespace (``enter``)."""
+    if per_rank_links:
+        problem = missing()
+        if problem:
+            raise SystemExit(f"--per-rank-links: a shaped link {problem}; plain loopback still works.")
+    else:
+        enter(rate, nproc=None)

@@ -282,12 +282,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    if args.per_rank_links:
-        problem = link.missing()
-        if problem:
-            raise SystemExit(f"--per-rank-links: a shaped link {problem}; plain loopback still works.")
-    else:
-        link.enter(args.link, nproc=None)  # with --link: reruns this launcher inside a shaped namespace
+    link.enter_launcher(args.link, args.per_rank_links)  # with --link: reruns this launcher inside a namespace
     world_sizes, skipped = list(args.world_sizes), []
     if args.backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -621,12 +621,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    if args.per_rank_links:
-        problem = link.missing()
-        if problem:
-            raise SystemExit(f"--per-rank-links: a shaped link {problem}; plain loopback still works.")
-    else:
-        link.enter(args.link, nproc=None)  # with --link: reruns this launcher inside a shaped namespace
+    link.enter_launcher(args.link, args.per_rank_links)  # with --link: reruns this launcher inside a namespace
     args.started_at = source_fingerprint()
     path = memory_main(args) if args.part == "memory" else speed_main(args)
     print(path.read_text())
