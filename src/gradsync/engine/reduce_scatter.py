@@ -19,6 +19,11 @@ which are in the parameters' dtype, so the sum is never rounded to the low preci
 
 Several synced backwards before the shards are consumed (``consumed()``, by the optimizer's step
 or ``zero_grad``) add up, as ``.grad`` does with DDP (ZeRO-1 through ``.grad`` itself).
+
+A listener (``listen``: the optimizer's ``step_in_backward``) hears of each bucket whose shard
+holds its average for this pass: as the bucket drains, or, when which parameters were used is
+only known at the end of backward (``find_unused_parameters``, ``static_graph``), in ``finish``,
+in bucket order. Either way in the same order on every rank, so collectives it starts match.
 """
 
 from __future__ import annotations
@@ -38,14 +43,17 @@ from .sharding import ShardLayout
 from .storage import BucketStorage
 from .tolerance import DeferredStep, Tolerance
 
-# Buckets sent and not yet drained when the next launches: [Note: buckets released as they drain].
-# ZeRO-2's buckets share one send and one receive buffer, which takes this to be 1.
+# Buckets sent and not yet drained when the next launches, by default: [Note: buckets released as
+# they drain]. ZeRO-2's buckets then share one send and one receive buffer.
 IN_FLIGHT = 1
 
 
 class ReduceScatter(Reduction):
-    def __init__(self, group: dist.ProcessGroup, keep_full: bool) -> None:
+    def __init__(self, group: dist.ProcessGroup, keep_full: bool, in_flight: int = IN_FLIGHT) -> None:
+        """``in_flight``: how many buckets may be on the wire, undrained, when the next one launches;
+        each one more costs a send and a receive buffer ([Note: buckets released as they drain])."""
         self.group = group
+        self.in_flight = in_flight
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.keep_full = keep_full
@@ -59,6 +67,8 @@ class ReduceScatter(Reduction):
         # did not, and those of buckets not filled, are not stepped (DDP leaves their .grad None).
         self.used: list[bool] | None = None
         self._partner: Callable[[], Any] | None = None  # a weak reference: the optimizer holds the engine
+        self._listener: Callable[[], Any] | None = None  # weakly too: hears of averaged buckets (``listen``)
+        self._listen_at_drain = False
         # What the gradients are sent in: a cast hook's dtype (hooks/shardable.py), or None: the buckets' own.
         self.wire_dtype: torch.dtype | None = None
         self.views = False  # ZeRO-1 with .grad as views of the buckets, and shards in them (adopt_buckets)
@@ -66,7 +76,8 @@ class ReduceScatter(Reduction):
         self._done_at: dict[int, float] = {}  # drained buckets of this pass: when
         self._first_of_pass: bool | None = None  # whether this pass is the first since the shards were consumed
         self._storages: list[BucketStorage] = []
-        self._receive: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # ZeRO-2's shared receive buffers
+        # Per dtype and device, ``in_flight`` receive buffers: bucket b uses number b % in_flight.
+        self._receive: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._buffers_suspect = False  # a collective failed: the shared buffers are replaced before reuse
 
     def compress(self, hook: Any, state: Any, name: str, wire_dtype: torch.dtype | None) -> None:
@@ -80,6 +91,16 @@ class ReduceScatter(Reduction):
 
     def set_join_partner(self, partner: Any) -> None:
         self._partner = weakref.ref(partner)
+
+    def listen(self, listener: Any, at_drain: bool) -> None:
+        """Call ``listener.bucket_averaged(b)`` once bucket ``b``'s shard holds this pass's average:
+        as it drains (``at_drain``), or in ``finish`` once every rank agreed which parameters were used."""
+        self._listener, self._listen_at_drain = weakref.ref(listener), at_drain
+
+    def _tell(self, b: int) -> None:
+        listener = None if self._listener is None else self._listener()
+        if listener is not None:
+            listener.bucket_averaged(b)
 
     def adopt_buckets(self, buckets: BucketSet) -> None:
         if any(storage.sparse for storage in buckets.storages):
@@ -110,9 +131,10 @@ class ReduceScatter(Reduction):
         self._first_of_pass = None
 
     def _share_buffers(self) -> None:
-        """One receive buffer (and, for ZeRO-2, one send buffer), as large as the largest bucket, for every bucket.
+        """``in_flight`` receive buffers (and, for ZeRO-2, send buffers), as large as the largest bucket,
+        bucket b using number b % in_flight.
 
-        [Note: buckets released as they drain] says why one of each is enough. Reused, they cost
+        [Note: buckets released as they drain] says why that many are enough. Reused, they cost
         no allocation per bucket and step: fresh buffers each time made the allocator hand out new
         pages (page faults, system time) and kept the resident size near DDP's, and gloo's
         all_to_all is slower into fresh memory (benchmarks/results/2026-12-01-zero-speed-large_grad.md).
@@ -121,12 +143,14 @@ class ReduceScatter(Reduction):
         for storage in self._storages:
             key = (storage.flat.dtype, storage.flat.device)
             largest[key] = max(largest.get(key, 0), storage.flat.numel())
+        slots = range(self.in_flight)
         if not self.keep_full:  # ZeRO-1's buckets are its .grad: each keeps its own
-            send = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in largest.items()}
-            for storage in self._storages:
-                storage.share(send[(storage.flat.dtype, storage.flat.device)])
+            send = {key: [torch.zeros(n, dtype=key[0], device=key[1]) for _ in slots] for key, n in largest.items()}
+            for b, storage in enumerate(self._storages):
+                storage.share(send[(storage.flat.dtype, storage.flat.device)][b % self.in_flight])
         self._receive = {
-            key: torch.empty(n, dtype=self.wire_dtype or key[0], device=key[1]) for key, n in largest.items()
+            key: [torch.empty(n, dtype=self.wire_dtype or key[0], device=key[1]) for _ in slots]
+            for key, n in largest.items()
         }
         self._buffers_suspect = False
 
@@ -138,14 +162,14 @@ class ReduceScatter(Reduction):
         storage = context.buckets.storages[b]
         if self._first_of_pass is None:
             self._first_of_pass = not any(self.filled)
-        errors: list[str | Exception] = self._drain(keep=IN_FLIGHT - 1)
+        errors: list[str | Exception] = self._drain(keep=self.in_flight - 1)
         as_view = context.as_view or self.views
         try:
             if self._buffers_suspect:  # a failed collective may still write into them: fresh ones
                 self._share_buffers()
             if not self.keep_full:
                 storage.zero_padding()  # the shared buffer's tail holds what a larger bucket left
-            receive = self._receive[(storage.flat.dtype, storage.flat.device)]
+            receive = self._receive[(storage.flat.dtype, storage.flat.device)][b % self.in_flight]
             context.buckets.gather_grads(b, as_view, context.unused, context.names, context.take_divisor())
         except (RuntimeError, ValueError) as error:
             return Started(None, [*errors, f"{error} ({context.where})"])
@@ -166,13 +190,16 @@ class ReduceScatter(Reduction):
         [Note: buckets released as they drain]
         ZeRO-2 needs a bucket's full gradient only from its launch until its reduce-scatter
         completed; ``.grad`` is dropped at the launch. A bucket drains at the next launch after it
-        completed, and at the latest when it is the ``IN_FLIGHT``-th one before the bucket
-        launching. With ``IN_FLIGHT == 1`` every bucket has drained before the next one is gathered,
-        so all of them share one send buffer and one receive buffer (``_share_buffers``): the
-        gradient held at any time is the bucket filling (autograd's ``.grad``) plus those two
-        buffers, instead of all of it. Draining is a local sum: when it happens does not change
-        which collectives a rank issues, or their order. ZeRO-1 keeps its buckets (they are
-        ``.grad``) and drains only the receive buffers.
+        completed, and at the latest when it is the ``in_flight``-th one before the bucket
+        launching. With ``in_flight == 1`` (the default) every bucket has drained before the next one
+        is gathered, so all of them share one send buffer and one receive buffer (``_share_buffers``):
+        the gradient held at any time is the bucket filling (autograd's ``.grad``) plus those two
+        buffers, instead of all of it. Each bucket more in flight costs one more of each, and lets
+        backward go on computing while the bucket before is still on the wire instead of waiting
+        for it (``step_in_backward`` takes 2: its all-gathers share the link with the reduce-scatters).
+        Draining is a local sum: when it happens does not change which collectives a rank issues on
+        this group, or their order (a listener's all-gathers go over a group of their own). ZeRO-1
+        keeps its buckets (they are ``.grad``) and drains only the receive buffers.
         """
         errors: list[str | Exception] = []
         while self._in_flight and (len(self._in_flight) > keep or self._in_flight[0][1].work.is_completed()):
@@ -187,6 +214,8 @@ class ReduceScatter(Reduction):
                 continue
             self._done_at[b] = now()
             self.filled[b] = True
+            if self._listen_at_drain:
+                self._tell(b)
         return errors
 
     def start_zeros(self, buckets: BucketSet, b: int) -> Any:
@@ -230,6 +259,9 @@ class ReduceScatter(Reduction):
         if not self.keep_full:
             times.reductions_done = max(times.bucket_done, default=0.0) or now()
             buckets.begin_iteration()
+            if self._listener is not None and not self._listen_at_drain:
+                for b in [b for b, filled in enumerate(self.filled) if filled]:
+                    self._tell(b)
             return errors
         gathers: list[Any] = []
         for b, pending in enumerate(launched):
@@ -284,6 +316,11 @@ class ReduceScatter(Reduction):
         """The optimizer stepped on the shards (or ``zero_grad`` cleared them): the next backward overwrites."""
         self.filled = [False] * len(self.filled)
         self.used = None
+
+    def consumed_bucket(self, b: int) -> None:
+        """Bucket ``b``'s shard was stepped (in backward): the next backward overwrites it. ``used``
+        stays: the later buckets of this pass are stepped with it, and the next pass replaces it."""
+        self.filled[b] = False
 
 
 class _GatherWhenWaited:
