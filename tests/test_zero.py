@@ -21,41 +21,13 @@ from gradsync.zero import ShardedOptimizer
 
 from harness import run_distributed
 from models import UnusedBranch, global_batch, loss_fn, make_model, rank_world, shard
-from zero_support import identical_across_ranks, max_relative_difference, two_groups
-
-
-def _pair(name: str, stage: int, optimizer: type, kwargs: dict, caps: float | None = None):
-    ddp_kwargs = {} if caps is None else {"bucket_cap_mb": caps}
-    torch.manual_seed(0)
-    model = make_model(name)
-    reference_model = copy.deepcopy(model)
-    ddp = DDP(model, **ddp_kwargs)
-    reference = DDP(reference_model, **ddp_kwargs)
-    sharded = ShardedOptimizer(ddp, optimizer, two_groups(model, kwargs["lr"]), stage=stage, **kwargs)
-    plain = optimizer(two_groups(reference_model, kwargs["lr"]), **kwargs)
-    return ddp, sharded, reference, plain
-
-
-def _train(ddp: DDP, optimizer: torch.optim.Optimizer, name: str, steps: int, micro: int = 1, **kw: object) -> None:
-    rank, world = rank_world()
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    for step in range(steps):
-        optimizer.zero_grad()
-        for m in range(micro):
-            x, y = global_batch(name, world, 10 * step + m)
-            if m < micro - 1:
-                with ddp.no_sync():
-                    loss_fn(ddp(shard(x, rank, world), **kw), shard(y, rank, world)).backward()
-            else:
-                loss_fn(ddp(shard(x, rank, world), **kw), shard(y, rank, world)).backward()
-        optimizer.step()
-        scheduler.step()
+from zero_support import identical_across_ranks, max_relative_difference, sharded_and_reference, train, two_groups
 
 
 def _parity(name: str, stage: int, optimizer: type, kwargs: dict, micro: int = 1, caps: float | None = None) -> dict:
-    ddp, sharded, reference, plain = _pair(name, stage, optimizer, kwargs, caps)
-    _train(ddp, sharded, name, 5, micro)
-    _train(reference, plain, name, 5, micro)
+    ddp, sharded, reference, plain = sharded_and_reference(name, stage, optimizer, kwargs, caps)
+    train(ddp, sharded, name, 5, micro)
+    train(reference, plain, name, 5, micro)
     return {
         "difference": max_relative_difference(ddp.module, reference.module),
         "identical": identical_across_ranks(ddp.module),
@@ -95,7 +67,7 @@ def test_gradient_accumulation_under_no_sync(micro: int) -> None:
         assert result["identical"] and result["difference"] <= 1e-6, result["difference"]
 
 
-def _unused(stage: int) -> dict:
+def _unused(stage: int, in_backward: bool = False) -> dict:
     rank, world = rank_world()
     torch.manual_seed(0)
     model, reference_model = UnusedBranch(), None
@@ -103,7 +75,9 @@ def _unused(stage: int) -> dict:
     before = copy.deepcopy(model)
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.001)
     reference = DDP(reference_model, find_unused_parameters=True, bucket_cap_mb=0.001)
-    sharded = ShardedOptimizer(ddp, torch.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.1)
+    sharded = ShardedOptimizer(
+        ddp, torch.optim.AdamW, stage=stage, step_in_backward=in_backward, lr=1e-2, weight_decay=0.1
+    )
     plain = torch.optim.AdamW(reference_model.parameters(), lr=1e-2, weight_decay=0.1)
     for wrapper, optimizer in ((ddp, sharded), (reference, plain)):
         for step in range(4):
@@ -127,9 +101,10 @@ def _unused(stage: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_parameters_without_gradient_are_not_stepped(stage: int) -> None:
-    for result in run_distributed(_unused, 2, stage):
+@pytest.mark.parametrize("stage,in_backward", [(1, False), (2, False), (2, True)])
+def test_parameters_without_gradient_are_not_stepped(stage: int, in_backward: bool) -> None:
+    """in_backward: step_in_backward=True, which steps at the end of backward once the used map is agreed."""
+    for result in run_distributed(_unused, 2, stage, in_backward):
         assert result["unused_untouched"] and result["same_as_ddp_where_unused"], result
         assert result["sometimes_moved"] and result["identical"], result
         assert result["difference"] <= 1e-6, result
@@ -174,7 +149,7 @@ def test_a_forward_order_that_changes_still_waits_for_each_bucket() -> None:
 
 
 def _grad_after_backward(stage: int) -> dict:
-    ddp, sharded, reference, plain = _pair("mlp", stage, *ADAMW, 0.001)
+    ddp, sharded, reference, plain = sharded_and_reference("mlp", stage, *ADAMW, 0.001)
     rank, world = rank_world()
     x, y = global_batch("mlp", world, 0)
     for wrapper in (ddp, reference):
@@ -195,7 +170,7 @@ def test_what_grad_holds_after_backward() -> None:
 
 def _gradient_held(stage: int) -> dict:
     """How much full gradient a rank holds while backward runs and after it (bucket buffers and .grad)."""
-    ddp, sharded, _, _ = _pair("mlp", stage, *ADAMW, 0.0005)
+    ddp, sharded, _, _ = sharded_and_reference("mlp", stage, *ADAMW, 0.0005)
     rank, world = rank_world()
     storages = lambda: ddp.engine.buckets.storages  # noqa: E731 - rebuilt after the first iteration
     peak = {"buckets": 0, "grads": 0}
@@ -243,7 +218,7 @@ def test_stage_2_holds_a_bucket_only_while_it_is_sent() -> None:
 
 
 def _clip(stage: int, norm_type: float) -> dict:
-    ddp, sharded, reference, plain = _pair("mlp", stage, *SGD, 0.001)
+    ddp, sharded, reference, plain = sharded_and_reference("mlp", stage, *SGD, 0.001)
     rank, world = rank_world()
     norms = []
     for step in range(3):
@@ -270,9 +245,9 @@ def test_clip_grad_norm_equals_torch_s_under_ddp(stage: int, norm_type: float) -
 
 
 def _checkpoint(stage: int) -> dict:
-    ddp, sharded, reference, plain = _pair("mlp", stage, *ADAMW, 0.001)
-    _train(ddp, sharded, "mlp", 3)
-    _train(reference, plain, "mlp", 3)
+    ddp, sharded, reference, plain = sharded_and_reference("mlp", stage, *ADAMW, 0.001)
+    train(ddp, sharded, "mlp", 3)
+    train(reference, plain, "mlp", 3)
     ours, theirs = sharded.state_dict(), plain.state_dict()
     same_format = ours["param_groups"] == theirs["param_groups"] and ours["state"].keys() == theirs["state"].keys()
     close = all(
@@ -289,8 +264,8 @@ def _checkpoint(stage: int) -> dict:
     with torch.no_grad():
         for p, q in zip(ddp.module.parameters(), reference.module.parameters()):
             p.copy_(q)
-    _train(ddp, sharded, "mlp", 2)
-    _train(reference, plain, "mlp", 2)
+    train(ddp, sharded, "mlp", 2)
+    train(reference, plain, "mlp", 2)
     return {
         "same_format": same_format,
         "close": close,
@@ -322,7 +297,7 @@ def _state_dict_on_rank_0_only() -> str:
     torch.manual_seed(0)
     ddp = DDP(make_model("mlp"))
     optimizer = ShardedOptimizer(ddp, torch.optim.SGD, lr=0.1, state_dict_timeout_s=3)
-    _train(ddp, optimizer, "mlp", 1)
+    train(ddp, optimizer, "mlp", 1)
     if rank == 0:
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="state_dict\\(\\) is collective: every rank must call it") as error:
@@ -350,7 +325,7 @@ def _bytes_per_step(sharded: bool) -> dict[str, int]:
     optimizer = (
         ShardedOptimizer(ddp, torch.optim.SGD, lr=0.01) if sharded else torch.optim.SGD(model.parameters(), lr=0.01)
     )
-    _train(ddp, optimizer, "mlp", 2)  # past the rebuild
+    train(ddp, optimizer, "mlp", 2)  # past the rebuild
     moved: dict[str, int] = {}
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", "broadcast")}
     gather = sharded_collectives._all_gather
@@ -370,7 +345,7 @@ def _bytes_per_step(sharded: bool) -> dict[str, int]:
     dist.broadcast = record("broadcast", originals["broadcast"], lambda t, *a: t.numel())
     sharded_collectives._all_gather = record("all_gather", gather, lambda o, i, *a: int(per_rank_send * o.numel()))
     try:
-        _train(ddp, optimizer, "mlp", 1)
+        train(ddp, optimizer, "mlp", 1)
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
@@ -406,7 +381,7 @@ def _misuse() -> list[str]:
         ddp._register_fused_optim(torch.optim.SGD, 0.1)
     with pytest.raises(RuntimeError, match="already has a ShardedOptimizer"):
         ShardedOptimizer(ddp, torch.optim.SGD, lr=0.1)
-    _train(ddp, optimizer, "mlp", 1)
+    train(ddp, optimizer, "mlp", 1)
     with pytest.raises(RuntimeError, match="must be built before the first forward"):
         ShardedOptimizer(ddp, torch.optim.SGD, lr=0.1)
     return messages
@@ -429,8 +404,8 @@ def _state_size_and_copies(stage: int, static_graph: bool) -> dict:
     reference = DDP(reference_model, bucket_cap_mb=0.001, static_graph=static_graph)
     sharded = ShardedOptimizer(ddp, torch.optim.Adam, stage=stage, lr=1e-2, overlap_param_gather=True)
     plain = torch.optim.Adam(reference_model.parameters(), lr=1e-2)
-    _train(ddp, sharded, "mlp", 3)
-    _train(reference, plain, "mlp", 3)
+    train(ddp, sharded, "mlp", 3)
+    train(reference, plain, "mlp", 3)
     sharded.wait_for_params()  # overlap_param_gather: a read outside a forward waits for the last step's gathers
     ema = copy.deepcopy(ddp.module)
     x, _ = global_batch("mlp", world, 99)

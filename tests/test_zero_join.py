@@ -64,7 +64,7 @@ def _state_difference(actual: dict, expected: dict) -> float:
     return worst
 
 
-def _joined(stage: int, micro: int, torch_join: bool, name: str = "mlp") -> dict:
+def _joined(stage: int, micro: int, torch_join: bool, name: str = "mlp", in_backward: bool = False) -> dict:
     rank, world = rank_world()
     batches = BATCHES[world]
     longest = max(range(world), key=lambda r: batches[r])
@@ -75,7 +75,8 @@ def _joined(stage: int, micro: int, torch_join: bool, name: str = "mlp") -> dict
     ddp = DDP(model, bucket_cap_mb=0.001, find_unused_parameters=find_unused)
     reference = DDP(reference_model, bucket_cap_mb=0.001, find_unused_parameters=find_unused)
     kwargs = {"lr": 1e-2, "weight_decay": 0.05}
-    sharded = ShardedOptimizer(ddp, torch.optim.AdamW, two_groups(model, kwargs["lr"]), stage=stage, **kwargs)
+    groups = two_groups(model, kwargs["lr"])
+    sharded = ShardedOptimizer(ddp, torch.optim.AdamW, groups, stage=stage, step_in_backward=in_backward, **kwargs)
     plain = torch.optim.AdamW(two_groups(reference_model, kwargs["lr"]), **kwargs)
     with Join([ddp, sharded]) if torch_join else ddp.join():
         _uneven_loop(ddp, sharded, batches[rank], micro, name)
@@ -98,6 +99,13 @@ def test_ranks_out_of_data_keep_stepping_their_shards(stage: int, world: int, mi
         assert result["identical"], f"replicas differ on rank {rank}"
         assert result["difference"] <= 1e-6, f"rank {rank}: {result['difference']:.3g} from DDP + AdamW under join"
         assert result["state_difference"] <= 1e-6, f"rank {rank}: optimizer state off by {result['state_difference']}"
+
+
+def test_step_in_backward_steps_in_step_under_join() -> None:
+    """Under join the step waits for step() (a joined rank shadows it there): same results as without."""
+    for rank, result in enumerate(run_distributed(_joined, 3, 2, 1, True, "mlp", True)):
+        assert result["identical"] and result["difference"] <= 1e-6, (rank, result)
+        assert result["state_difference"] <= 1e-6, (rank, result)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

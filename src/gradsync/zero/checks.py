@@ -1,11 +1,14 @@
-"""What a ``ShardedOptimizer`` checks when it is built: the wrapper, the optimizer, the param groups."""
+"""What a ``ShardedOptimizer`` checks: when it is built, the wrapper, the optimizer, the param groups;
+before its collective ``state_dict``, that every rank called it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..engine.reduce_scatter import ReduceScatter
 from ..engine.reductions import AllReduce, CommHookReduction
@@ -14,11 +17,16 @@ from ..wrapper.data_parallel import DataParallelWrapper
 from .elementwise import check_elementwise
 
 
-def check_usable(ddp: Any, optimizer_class: type, stage: int, elementwise: bool | None) -> None:
+def check_usable(ddp: Any, optimizer_class: type, stage: int, elementwise: bool | None, step_in_backward: bool) -> None:
     if not isinstance(ddp, DataParallelWrapper):
         raise TypeError(f"ShardedOptimizer shards over a gradsync.DistributedDataParallel, got {type(ddp).__name__}.")
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (gradients too), got {stage!r}.")
+    if step_in_backward and stage != 2:
+        raise ValueError(
+            f"step_in_backward=True needs stage=2 (rank {ddp.engine.rank}): stage 1 keeps the full averaged .grad "
+            "for code that reads it after backward, which a step inside backward would already have used."
+        )
     check_elementwise(optimizer_class, elementwise)
     engine = ddp.engine
     if engine.iteration > 0 or engine.synced_forwards > 0:
@@ -64,3 +72,15 @@ def param_groups_over(ddp: DataParallelWrapper, params: Iterable[Any] | None) ->
             )
         group["params"] = members
     return groups
+
+
+def check_every_rank_calls(helper: dist.ProcessGroup, timeout: timedelta, rank: int) -> None:
+    """``state_dict`` is collective: a rank calling it alone gets this error within ``timeout``, not a hang."""
+    try:
+        dist.monitored_barrier(helper, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"ShardedOptimizer.state_dict() is collective: every rank must call it, but not every rank did "
+            f"within {timeout.total_seconds():.0f}s (seen on rank {rank}): {error}. Call it on "
+            "every rank and save from rank 0."
+        ) from error

@@ -19,6 +19,12 @@ alone (an evaluation on rank 0) is safe; but code that reads parameters between 
 next forward by itself (an EMA of the weights, a norm for logging) must call the optimizer's
 ``wait_for_params()`` first, or it reads some ranges from before the step.
 
+The gathers go over their own process group when the optimizer steps in backward
+([Note: the step inside backward] in backward_step.py): there a bucket's gather starts when its
+reduce-scatter drained, which differs between ranks relative to the next reduce-scatters; on one
+group that would pair different collectives across ranks. Each group alone sees the same order
+on every rank (bucket order).
+
 ``state_dict`` would serialise each view's whole flat buffer; a state-dict hook hands out compact
 copies of the parameters instead, so a checkpoint is the same bytes as with plain DDP.
 """
@@ -40,8 +46,12 @@ from ..engine.storage import make_view
 
 
 class ParamBuffers:
-    def __init__(self, module: nn.Module, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, module: nn.Module, params: list[torch.Tensor], group: dist.ProcessGroup, gather_group: Any = None
+    ) -> None:
+        """``gather_group``: the group the all-gathers go over (over the ranks of ``group``), if not ``group``."""
         self.group = group
+        self.gather_group = group if gather_group is None else gather_group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.params = params  # by engine index
@@ -93,13 +103,13 @@ class ParamBuffers:
     def start(self, order: Iterable[int]) -> None:
         """Start every bucket's all-gather, in ``order`` (the same on every rank)."""
         for b in order:
-            self.pending[b] = start_all_gather(self.flats[b], self.own_range(b), self.group)
+            self.pending[b] = start_all_gather(self.flats[b], self.own_range(b), self.gather_group)
 
     def gather_now(self, order: Iterable[int]) -> None:
         """Every bucket's all-gather, one after the other: gloo allocates a temporary as large as a
         bucket for each gather it runs (two at a time), so when nothing is to overlap them, one."""
         for b in order:
-            start_all_gather(self.flats[b], self.own_range(b), self.group).wait()
+            start_all_gather(self.flats[b], self.own_range(b), self.gather_group).wait()
 
     def wait(self, b: int) -> None:
         work = self.pending.pop(b, None)

@@ -22,6 +22,9 @@ What ``.grad`` holds after backward:
   backward in between changes nothing); several backwards before a ``step`` add up.
 - ``stage=1``: the full average, as with DDP (reduce-scatter, then all-gather of the shards).
 
+``step_in_backward=True`` (stage 2) steps each bucket's shard in backward, as its reduce-scatter
+drains, and starts its all-gather there ([Note: the step inside backward] in backward_step.py).
+
 Per rank, with fp32 parameters and Adam, bytes per parameter: stage 2 4 + 12/N, stage 1 8 + 8/N
 (plain DDP 16-20). Under ``join`` (uneven inputs) a rank that ran out of data keeps stepping its
 shards (zero/join.py). ``mixed_precision`` and the cast hooks (fp16/bf16 compression) set what
@@ -49,7 +52,9 @@ from ..engine.reductions import CommHookReduction
 from ..engine.sharding import Piece, ShardLayout, memory_order
 from ..hooks.shardable import shard_wire_dtype
 from ..wrapper.data_parallel import DataParallelWrapper
-from .checks import check_usable, param_groups_over
+from . import lost_shards
+from .backward_step import BackwardStep, step_pieces
+from .checks import check_every_rank_calls, check_usable, param_groups_over
 from .clipping import clip_shards
 from .join import ShardedJoin
 from .param_buffers import ParamBuffers, weakly
@@ -69,6 +74,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         *,
         elementwise: bool | None = None,
         overlap_param_gather: bool = False,
+        step_in_backward: bool = False,
         state_dict_timeout_s: float = 120.0,
         **defaults: Any,
     ) -> None:
@@ -77,12 +83,16 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         ``overlap_param_gather``: the parameters' all-gathers after a step overlap the next forward
         instead of finishing inside ``step`` ([Note: parameters gathered in place] in param_buffers.py
         says what that asks of code reading parameters between a step and the next forward).
+        ``step_in_backward``: stage 2 steps each bucket's shard as its reduce-scatter drains and starts its
+        all-gather there; no ``clip_grad_norm_`` then ([Note: the step inside backward] in backward_step.py).
         ``state_dict_timeout_s``: how long ``state_dict`` waits for every rank to call it."""
-        check_usable(ddp, optimizer_class, stage, elementwise)
+        check_usable(ddp, optimizer_class, stage, elementwise, step_in_backward)
         self._ddp = ddp
         self._engine = engine = ddp.engine
         self.stage = stage
         self.overlap_param_gather = overlap_param_gather
+        self.step_in_backward = step_in_backward
+        self._backward_step = BackwardStep(dist.get_rank(ddp.process_group))
         self._optimizer_class = optimizer_class
         self._kwargs = defaults
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # bad arguments fail here
@@ -96,7 +106,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._helper = dist.new_group(ranks, backend="gloo", timeout=self._timeout)  # state_dict's check
         self._join = ShardedJoin(self._group, self._engine.buckets.device)
         Joinable.__init__(self)
-        self._params = ParamBuffers(ddp.module, engine.params, self._group)
+        # Stepping in backward: the gathers start as buckets drain, on a group of their own (param_buffers.py).
+        gathers = dist.new_group(ranks, backend=dist.get_backend(self._group)) if step_in_backward else None
+        self._params = ParamBuffers(ddp.module, engine.params, self._group, gathers)
         self._order: list[int] | None = None  # the gather order, once the ranks agreed on one
         self._pieces: list[Piece] = []
         self._tensors: list[torch.Tensor] = []  # the inner optimizer's parameters: one view per piece
@@ -112,12 +124,25 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _attach(self, engine: Reducer) -> None:
         """Make ``engine`` reduce-scatter into this optimizer's shards (a cast hook it has: the wire dtype)."""
         self._engine = engine
-        self._reduction = ReduceScatter(self._group, keep_full=self.stage == 1)
+        # Stepping in backward, backward must not wait for one bucket's reduce-scatter before it launches the
+        # next: the link carries the all-gathers too ([Note: buckets released as they drain]).
+        in_flight = 2 if self.step_in_backward else 1
+        self._reduction = ReduceScatter(self._group, keep_full=self.stage == 1, in_flight=in_flight)
         hooked = engine.reduction
         if isinstance(hooked, CommHookReduction):
             wire_dtype = shard_wire_dtype(hooked.hook, hooked.name, self._rank)
             self._reduction.compress(hooked.hook, hooked.state, hooked.name, wire_dtype)
         self._reduction.set_join_partner(self)  # a joined rank steps its shards too (join.py)
+        if self.step_in_backward:
+            if engine.tolerance.enabled:
+                raise NotImplementedError(
+                    f"ShardedOptimizer(step_in_backward=True) cannot run under gradsync.elastic (rank {self._rank}): "
+                    "a step there commits only once every replica voted, after backward. Build it with "
+                    "step_in_backward=False."
+                )
+            # Which parameters were used is agreed at the end of backward when they are tracked.
+            at_drain = not (engine.config.find_unused_parameters or engine.config.static_graph)
+            self._reduction.listen(self, at_drain)
         engine.use_reduction(self._reduction, pad_multiple=dist.get_world_size(self._group))
         self._layout: ShardLayout = self._reduction.layout
         self._params.adopt(engine.buckets, self._layout)
@@ -138,21 +163,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def describe_lost_shards(self, dead_ranks: list[int], world_size: int) -> str:
         """What died with ``dead_ranks`` (ranks of this optimizer's group), and how to go on: for errors."""
-        names = self._engine.names
-        lost = []
-        for rank in dead_ranks:
-            pieces = self._layout.pieces(rank)
-            params = sorted({names[p.param] for p in pieces})
-            shown = ", ".join(params[:4]) + (f" and {len(params) - 4} more" if len(params) > 4 else "")
-            elements = sum(p.length for p in pieces)
-            lost.append(f"rank {rank}'s ({elements} elements of {len(params)} parameters: {shown})")
-        what = "optimizer state and this step's averaged gradients" if self.stage == 2 else "optimizer state"
-        return (
-            f"The {what} of ShardedOptimizer(stage={self.stage}) is sharded over {world_size} ranks, each range kept "
-            f"once: {'; '.join(lost)} died with the rank and cannot be healed. Restart from the last sharded "
-            f"checkpoint with {world_size - len(dead_ranks)} rank(s): build the ShardedOptimizer there and call "
-            "gradsync.zero.load_sharded(path, ddp, optimizer) (save with gradsync.zero.save_sharded every few steps)."
-        )
+        return lost_shards.describe(self._layout, self._engine.names, self.stage, dead_ranks, world_size)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -166,9 +177,39 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Join.notify_join_context(self)
         if self._in_join():
             self._join.share_hyperparameters(self.param_groups, joined=False)
+        elif self.step_in_backward:
+            self._backward_step.settle(self.param_groups)  # the shards were stepped in backward
+            if not any(self._reduction.filled):  # every bucket was stepped: only its gather may be waited for
+                if not self.overlap_param_gather:
+                    self._params.wait_all()
+                return loss
         self._step_shards(from_shards=self.stage == 2)
         self._stepped = True
         return loss
+
+    @torch.no_grad()
+    def bucket_averaged(self, b: int) -> None:
+        """``step_in_backward``: bucket ``b``'s shard holds this backward's average: step it, start its gather.
+
+        Called by the reduction in backward, in the same bucket order on every rank
+        ([Note: the step inside backward] in backward_step.py).
+        """
+        if self._in_join():
+            return  # stepped in step(), alongside a joined rank's shadow step
+        if self._engine.buckets is not self._buckets:
+            self._check_engine()
+        self._params.wait(b)  # an all-gather of the last step may still be writing these parameters
+        hyperparameters = self._backward_step.hyperparameters(self.param_groups)
+        if hyperparameters is not None:  # the first bucket of this backward: LR schedulers changed outer
+            for inner, values in zip(self._inner.param_groups, hyperparameters):
+                inner.update(values)
+        indices = self._bucket_pieces[b]
+        self._bind_grads(from_shards=True, indices=indices)
+        step_pieces(self._inner, [self._tensors[i] for i in indices], [self._tensor_group[i] for i in indices])
+        self._unbind_grads(indices)
+        self._reduction.consumed_bucket(b)
+        self._params.start([b])
+        self._backward_step.owed = self._stepped = True
 
     def _step_shards(self, from_shards: bool) -> None:
         self._params.wait_all()  # the step writes the parameters; no gather may still be writing them
@@ -221,6 +262,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         sums over this rank's shards and all-reduces one scalar (the padding is never counted).
         """
         self._check_engine()
+        if self.step_in_backward:
+            raise self._backward_step.clip_error()
         if self._in_join():
             raise NotImplementedError(
                 f"ShardedOptimizer.clip_grad_norm_ cannot be combined with join (rank {self._rank}): a rank that "
@@ -242,8 +285,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._tensors = [self._params.own_range(p.bucket).narrow(0, p.shard_start, p.length) for p in self._pieces]
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in self.param_groups]
-        for piece, tensor in zip(self._pieces, self._tensors):
-            g = group_of.get(id(self._engine.params[piece.param]))
+        self._tensor_group = [group_of.get(id(self._engine.params[piece.param])) for piece in self._pieces]
+        self._bucket_pieces: list[list[int]] = [[] for _ in self._layout.shard_numel]  # per bucket: its pieces
+        for i, (piece, tensor, g) in enumerate(zip(self._pieces, self._tensors, self._tensor_group)):
+            self._bucket_pieces[piece.bucket].append(i)
             if g is not None:
                 inner_groups[g]["params"].append(tensor)
         inner = self._optimizer_class(inner_groups, **self._kwargs)
@@ -255,10 +300,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _piece_state(self) -> PieceState:
         return {p: dict(self._inner.state[t]) for p, t in zip(self._pieces, self._tensors) if t in self._inner.state}
 
-    def _bind_grads(self, from_shards: bool) -> None:
-        """Each piece's gradient: from the reducer's shards (stage 2, a joined rank) or from ``.grad``."""
+    def _bind_grads(self, from_shards: bool, indices: list[int] | None = None) -> None:
+        """Each piece's gradient (of ``indices`` only, if given): from the reducer's shards (stage 2, a
+        joined rank) or from ``.grad``."""
         reduction = self._reduction
-        for piece, tensor in zip(self._pieces, self._tensors):
+        chosen = range(len(self._pieces)) if indices is None else indices
+        for piece, tensor in ((self._pieces[i], self._tensors[i]) for i in chosen):
             if from_shards:
                 shard = reduction.grad_shards[piece.bucket]
                 used = reduction.is_used(piece.param, piece.bucket)
@@ -268,13 +315,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 grad = None if full is None else memory_order(full).narrow(0, piece.param_start, piece.length)
             tensor.grad = grad
 
-    def _unbind_grads(self) -> None:
-        for tensor in self._tensors:
-            tensor.grad = None
+    def _unbind_grads(self, indices: list[int] | None = None) -> None:
+        for i in range(len(self._tensors)) if indices is None else indices:
+            self._tensors[i].grad = None
 
     # ------------------------------------------------------------------ layout and gathers
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         """The bucket rebuild after the first iteration gives new buckets: parameters and state follow."""
+        self._backward_step.check_not_owed()
         if self._engine.buckets is not self._buckets:
             self._check_engine()
             with torch.no_grad():
@@ -343,14 +391,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         gets an error within ``state_dict_timeout_s`` naming the ranks that did not, instead of a hang.
         """
         self._check_engine()
-        try:
-            dist.monitored_barrier(self._helper, timeout=self._timeout, wait_all_ranks=True)
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"ShardedOptimizer.state_dict() is collective: every rank must call it, but not every rank did "
-                f"within {self._timeout.total_seconds():.0f}s (seen on rank {self._rank}): {error}. Call it on "
-                "every rank and save from rank 0."
-            ) from error
+        check_every_rank_calls(self._helper, self._timeout, self._rank)
         full = gather_full(self._piece_state(), self._layout, self._engine.params, self._group)
         return to_plain(full, self.param_groups, self._index)
 
