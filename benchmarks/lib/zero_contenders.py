@@ -44,6 +44,8 @@ DESCRIPTIONS = {
     "zero2": "gradsync DDP (default arguments) + ShardedOptimizer(AdamW, stage=2)",
     "zero2_view": "gradsync DDP with gradient_as_bucket_view=True + ShardedOptimizer(AdamW, stage=2)",
     "zero2_overlap": "zero2 with overlap_param_gather=True (the all-gathers overlap the next forward)",
+    "zero2_backward": "zero2 with step_in_backward=True (each bucket's shard stepped and all-gathered in backward)",
+    "zero2_backward_overlap": "zero2_backward + overlap_param_gather=True (the last gathers overlap the next forward)",
     "zero1": "gradsync DDP (default arguments) + ShardedOptimizer(AdamW, stage=1)",
     "zero1_view": "gradsync DDP with gradient_as_bucket_view=True + ShardedOptimizer(AdamW, stage=1)",
     "torch_ddp": "torch DDP, default arguments, torch.optim.AdamW",
@@ -98,7 +100,12 @@ def build(name: str, module: nn.Module) -> tuple[nn.Module, TimedOptimizer]:
         return ddp, TimedOptimizer(torch.optim.AdamW(ddp.parameters(), **adamw))
     stage = 1 if name.startswith("zero1") else 2
     sharded = ShardedOptimizer(
-        ddp, torch.optim.AdamW, stage=stage, overlap_param_gather=name == "zero2_overlap", **adamw
+        ddp,
+        torch.optim.AdamW,
+        stage=stage,
+        overlap_param_gather=name.endswith("_overlap"),
+        step_in_backward=name.startswith("zero2_backward"),
+        **adamw,
     )
     return ddp, TimedOptimizer(sharded)
 
