@@ -433,6 +433,11 @@ ANALYTIC: dict[str, tuple[str, Callable[[int], float], bool]] = {
     "zero1_view": ("8 + 8/N (issue #20's target)", _per_param(8, 8), False),
     "zero2_view": ("4 + 12/N + two buckets (issue #20's target)", _per_param(4, 12), True),
     "zero2": ("4 + 12/N + two buckets (issue #20's target)", _per_param(4, 12), True),
+    "zero2_backward": (
+        "4 + 12/N + two buckets (issue #20's target; it keeps two more in flight)",
+        _per_param(4, 12),
+        True,
+    ),
     "fsdp2": (
         "4 + 16/N: unsharded params kept + 4/N params + 4/N grads + 8/N Adam (each layer's unsharded params are "
         "freed in its backward, where its gradient shard appears, so 4 + 12/N is reachable)",
