@@ -56,6 +56,13 @@ class ElasticJob:
             assert time.monotonic() < deadline, f"fewer than {count} trainers arrived"
             time.sleep(0.05)
 
+    def start_with_last_failing(self, healthy: list[str], victim: str, fault: str) -> None:
+        """Start ``healthy``, then, once they arrived (so that it gets the last rank), ``victim`` with ``fault``."""
+        for name in healthy:
+            self.start(name)
+        self.wait_arrivals(len(healthy))
+        self.start(victim, fault=fault)
+
     def wait_for_exit(self, name: str, timeout_s: float) -> int:
         return self.procs[name].wait(timeout=timeout_s)
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic_support import ElasticJob
 from gradsync.elastic.etcd_cluster import LocalCluster, find_binary
 from gradsync.elastic.etcd_store import EtcdStore
+
+from elastic_support import ElasticJob
 
 REPO = Path(__file__).parent.parent
 

@@ -69,3 +69,20 @@ def assert_built_by(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     """The gradsync run built gradsync's wrapper and the torch run torch's (so uninstall worked)."""
     assert ours["type"] == "gradsync.ddp.DistributedDataParallel", ours["type"]
     assert theirs["type"] == "torch.nn.parallel.distributed.DistributedDataParallel", theirs["type"]
+
+
+def quiet_cpu_trainer(devices: int, root: str) -> dict[str, Any]:
+    """Lightning ``Trainer`` arguments for a test: CPU, one node, nothing logged, saved or shown, no sanity
+    check, no sampler of Lightning's own (it would shuffle the training set)."""
+    return {
+        "accelerator": "cpu",
+        "devices": devices,
+        "num_nodes": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "default_root_dir": root,
+        "use_distributed_sampler": False,
+    }

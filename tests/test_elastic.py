@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_support import ElasticJob, committed_batches, max_difference, replay
 from gradsync.elastic import serve
+
+from elastic_support import ElasticJob, committed_batches, max_difference, replay
 
 STEPS = 10
 TOLERANCE = 1e-5
@@ -140,10 +141,7 @@ def test_a_fixed_divisor_divides_by_the_configured_count(tmp_path: Path) -> None
 
 def test_fewer_survivors_than_min_replicas_is_an_error_naming_the_dead_rank(tmp_path: Path) -> None:
     job = ElasticJob(tmp_path, "min", replicas=3, steps=STEPS, min_replicas=3)
-    for name in ("a", "b"):
-        job.start(name)
-    job.wait_arrivals(2)  # so that the victim is rank 2
-    job.start("c", fault="backward:4")
+    job.start_with_last_failing(["a", "b"], "c", fault="backward:4")  # the victim is rank 2
     for name in ("a", "b"):
         assert job.wait_for_exit(name, timeout_s=60) != 0
         assert "Rank(s) [2] of generation 0 died" in job.log(name) and "min_replicas=3" in job.log(name)

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradsync.elastic.etcd_store import EtcdStore, EtcdUnavailable
+
 from elastic_support import committed_batches, max_difference, replay
 from etcd_support import EtcdJob, fresh_etcd  # noqa: F401 - a fixture
-from gradsync.elastic.etcd_store import EtcdStore, EtcdUnavailable
 
 TOLERANCE = 1e-5
 MAX_STALL_S = 3.0  # issue #21: the worst step stall after a leader's SIGKILL, at etcd's default timings

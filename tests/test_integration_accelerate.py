@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from integration_support import assert_built_by, assert_equal, gradsync_installed, max_diff, run_each, scenario_ranks
-
 from harness import run_distributed
+from integration_support import assert_built_by, assert_equal, gradsync_installed, max_diff, run_each, scenario_ranks
 
 pytest.importorskip("accelerate")
 

@@ -30,9 +30,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from integration_support import assert_built_by, assert_equal, gradsync_installed, max_diff, run_each, scenario_ranks
-
 from harness import run_distributed
+from integration_support import assert_built_by, assert_equal, gradsync_installed, max_diff, run_each, scenario_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

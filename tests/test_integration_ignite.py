@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
-from integration_support import assert_equal, gradsync_installed, max_diff, run_each, scenario_ranks
 
 from harness import run_distributed
+from integration_support import assert_equal, gradsync_installed, max_diff, run_each, scenario_ranks
 
 pytest.importorskip("ignite")
 

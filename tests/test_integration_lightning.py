@@ -49,6 +49,7 @@ from gradsync.integrations.lightning import (  # noqa: E402
 )
 
 from harness import run_distributed  # noqa: E402
+from integration_support import quiet_cpu_trainer  # noqa: E402
 
 WORLD = 2
 IN, HIDDEN, OUT = 8, 16, 4
@@ -232,20 +233,11 @@ class _Probe(pl.Callback):
 
 def _fit(strategy: Any, net: _Net, accumulate: int, probe: _Probe, root: str) -> pl.Trainer:
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        num_nodes=1,
+        **quiet_cpu_trainer(WORLD, root),
         strategy=strategy,
         max_steps=STEPS,
         accumulate_grad_batches=1 if not net.automatic_optimization else accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=root,
         callbacks=[probe],
-        use_distributed_sampler=False,  # Lightning's own would shuffle the training set
     )
     dataset = _dataset(accumulate)
     trainer.fit(net, DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, shuffle=False)))

@@ -30,10 +30,10 @@ if importlib.util.find_spec("lightning") is None:
 from gradsync import DistributedDataParallel as GradsyncDDP  # noqa: E402
 from gradsync.integrations.lightning import GradsyncDDPStrategy, pl  # noqa: E402
 from gradsync.zero import ShardedOptimizer  # noqa: E402
-from integration_support import run_each, scenario_ranks  # noqa: E402
 from test_integration_lightning import BATCH, IN, OUT, WORLD, _launched_externally, _Mlp  # noqa: E402
 
 from harness import run_distributed  # noqa: E402
+from integration_support import quiet_cpu_trainer, run_each, scenario_ranks  # noqa: E402
 
 STEPS = 4  # optimizer steps per fit
 LR, WEIGHT_DECAY = 1e-2, 0.05
@@ -72,19 +72,10 @@ class _Net(pl.LightningModule):
 
 def _fit(net: _Net, steps: int, accumulate: int, root: str, ckpt_path: str | None = None) -> pl.Trainer:
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        num_nodes=1,
+        **quiet_cpu_trainer(WORLD, root),
         strategy=GradsyncDDPStrategy(bucket_cap_mb=0.001),  # several buckets, a parameter split over ranks
         max_steps=steps,
         accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=root,
-        use_distributed_sampler=False,
     )
     g = torch.Generator().manual_seed(1)
     n = WORLD * BATCH * 2 * STEPS * accumulate  # enough for the resumed fit too

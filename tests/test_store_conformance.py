@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from etcd_support import etcd_cluster  # noqa: F401 - a fixture
 from gradsync.elastic import tcp_store
 from gradsync.elastic.backends import connect
 from gradsync.elastic.etcd_store import EtcdStore, _Unanswered
+
+from etcd_support import etcd_cluster  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(60)
 

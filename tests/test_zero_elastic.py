@@ -35,10 +35,7 @@ def test_sharded_steps_commit_like_a_single_process_replay(stage: int, tmp_path:
 
 def test_a_dead_rank_s_shards_are_named_with_how_to_resume(tmp_path: Path) -> None:
     job = ElasticJob(tmp_path, "zero-dead", replicas=3, steps=STEPS, sharded=2)
-    for name in ("a", "b"):
-        job.start(name)
-    job.wait_arrivals(2)  # so that the victim is rank 2
-    job.start("c", fault="backward:4")
+    job.start_with_last_failing(["a", "b"], "c", fault="backward:4")  # the victim is rank 2
     try:
         for name in ("a", "b"):
             assert job.wait_for_exit(name, timeout_s=90) != 0, job.log(name)

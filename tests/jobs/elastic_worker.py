@@ -146,19 +146,32 @@ def main() -> None:
         if phase == "between" and step == at_step:
             die()
         time.sleep(args.sleep)
+    write_result(out, args.name, ddp, opt, ft, run.history, hook=_hook_digest(hook_state))
+
+
+def write_result(
+    out: Path,
+    name: str,
+    ddp: DDP,
+    opt: torch.optim.Optimizer,
+    ft: elastic.FaultTolerant,
+    history: list,
+    **extra: object,
+) -> None:
+    """What a test reads of a finished replica (NAME.json, NAME.pt), then leave together."""
     result = {
-        "name": args.name,
+        "name": name,
         "pid": os.getpid(),
         "fingerprint": sha256_of(ddp.module, opt),
         "identical": ft.replicas_identical(),
         "step": ft.step_count,
         "world_size": ft.world_size,
         "generation": ft.generation,
-        "history": run.history,
-        "hook": _hook_digest(hook_state),
+        "history": history,
+        **extra,
     }
-    torch.save(ddp.module.state_dict(), out / f"{args.name}.pt")
-    (out / f"{args.name}.json").write_text(json.dumps(result))
+    torch.save(ddp.module.state_dict(), out / f"{name}.pt")
+    (out / f"{name}.json").write_text(json.dumps(result))
     dist.barrier()  # nobody leaves while another still checks
     ft.close()
 

@@ -20,11 +20,10 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from elastic_worker import batch, make_model, seed_of, sha256_of  # noqa: E402
+from elastic_worker import batch, make_model, seed_of, sha256_of, write_result  # noqa: E402
 
 from gradsync import DistributedDataParallel as DDP  # noqa: E402
 from gradsync import elastic  # noqa: E402
@@ -81,20 +80,7 @@ def train(args: argparse.Namespace, out: Path) -> None:
         current.update(step=step, seed=seed)
         ft.step()
         time.sleep(args.sleep)
-    result = {
-        "name": args.name,
-        "pid": os.getpid(),
-        "fingerprint": sha256_of(ddp.module, opt),
-        "identical": ft.replicas_identical(),
-        "step": ft.step_count,
-        "world_size": ft.world_size,
-        "generation": ft.generation,
-        "history": run.history,
-    }
-    torch.save(ddp.module.state_dict(), out / f"{args.name}.pt")
-    (out / f"{args.name}.json").write_text(json.dumps(result))
-    dist.barrier()  # nobody leaves while another still checks
-    ft.close()
+    write_result(out, args.name, ddp, opt, ft, run.history)
 
 
 if __name__ == "__main__":
