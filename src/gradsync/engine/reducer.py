@@ -50,7 +50,6 @@ from ..observability.labels import label
 from ..observability.stats import DDPStats
 from ..observability.timing import now
 from . import errors, graph, ownership
-from .agreement import shadow_used_map
 from .backward_pass import BackwardPass
 from .bucket_set import BucketSet
 from .config import ReducerConfig
@@ -107,7 +106,8 @@ class Reducer:
         self.reduction: Reduction = AllReduce(process_group)  # how a bucket is averaged (reductions.py)
         self.fused_optimizer: FusedOptimizer | None = None  # steps each bucket as it completes (fused_optim.py)
         self.desync: DesyncDetector | None = None  # debug mode: agree on every collective first
-        self.usage = ParameterUsage(count)  # which parameters a backward uses (usage.py)
+        # which parameters a backward uses (usage.py)
+        self.usage = ParameterUsage(count, config.find_unused_parameters, config.static_graph)
         self.static = StaticGraphCounts(count)  # static_graph's hook counts (static_graph.py)
         self.rebuild = BucketRebuild(count, enabled=config.static_graph or not config.find_unused_parameters)
         self.divisor = Divisor(self.world_size)  # what sums are divided by (divisor.py)
@@ -294,9 +294,6 @@ class Reducer:
         current.times.finalize_start = now()
         self.phase = "the wait for gradient reductions at the end of backward"
         first_static_iteration = config.static_graph and self.static.learning
-        # Whether to agree on the used map must be the same on every rank, so it depends
-        # on the synced iteration count, which joined ranks advance too.
-        agree_used = config.find_unused_parameters or (config.static_graph and self.iteration == 0)
         ready = current.ready
         missing = [i for i, r in enumerate(ready) if not r] if False in ready else []  # C-speed common case
         if missing and not first_static_iteration:
@@ -312,7 +309,7 @@ class Reducer:
             self._mark_ready(index)
         self.reduction.end_of_pass()
         globally_used = self.usage.never_used  # static graph: parameters no rank used keep .grad None
-        if agree_used:
+        if self.usage.must_agree(self.iteration):
             globally_used = self._agree_on_used()
         if self.tolerance.enabled:
             self.reduction.finish_tolerant(self.buckets, current, self.tolerance, globally_used)
@@ -349,11 +346,9 @@ class Reducer:
 
     def _learn_static_graph(self, globally_used: list[bool] | None) -> None:
         self.static.learn()
-        if globally_used is not None:
-            never = [self.names[i] for i, used in enumerate(globally_used) if not used]
-            if never:
-                self.usage.never_used = list(globally_used)
-                logger.info("static graph: parameters unused on every rank: %s", never)
+        never = self.usage.learn_never_used(globally_used)
+        if never:
+            logger.info("static graph: parameters unused on every rank: %s", [self.names[i] for i in never])
 
     def _step_fused(self, b: int) -> None:
         self.fused_optimizer.step_bucket(self.buckets, b)  # [Note: stepping as buckets complete]
@@ -453,11 +448,7 @@ class Reducer:
         """A joined rank's part of one synced backward: every bucket, in order, with zeros."""
         pending = [self.reduction.start_zeros(self.buckets, b) for b in range(len(self.buckets.storages))]
         self.reduction.end_of_pass()
-        globally_used = self.usage.never_used
-        if self.config.find_unused_parameters or (self.config.static_graph and self.iteration == 0):
-            work, flags = shadow_used_map(len(self.params), self.process_group, self.buckets.device)
-            work.wait()
-            globally_used = [bool(u) for u in flags.tolist()]
+        globally_used = self.usage.shadow_agree(self.iteration, self.process_group, self.buckets.device)
         self.reduction.finish_shadow(self.buckets, pending, globally_used)
         self.iteration += 1
 
