@@ -109,7 +109,7 @@ def load_sharded(path: Path, ddp: DataParallelWrapper, optimizer: ShardedOptimiz
         ddp.module.load_state_dict(objects, strict=False)
     for group, mine in zip(small[GROUPS], optimizer.param_groups):
         mine.update({key: value for key, value in group.items() if key != "params"})
-    optimizer._inner = optimizer._build_inner(_assemble(chunks, entries, wanted, optimizer))
+    optimizer._load_piece_state(_assemble(chunks, entries, wanted, optimizer))
     return small.get(EXTRA)
 
 

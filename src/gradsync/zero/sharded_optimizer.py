@@ -53,11 +53,12 @@ from ..engine.sharding import Piece, ShardLayout, memory_order
 from ..hooks.shardable import shard_wire_dtype
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import lost_shards
-from .backward_step import BackwardStep, step_pieces
+from .backward_step import BackwardStep
 from .checks import check_every_rank_calls, check_usable, param_groups_over
 from .clipping import clip_shards
 from .join import ShardedJoin
 from .param_buffers import ParamBuffers, weakly
+from .pieces import PieceOptimizer
 from .plain_format import from_plain, to_plain
 from .state_exchange import PieceState, exchange, gather_full, pieces_from_full
 
@@ -110,8 +111,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         gathers = dist.new_group(ranks, backend=dist.get_backend(self._group)) if step_in_backward else None
         self._params = ParamBuffers(ddp.module, engine.params, self._group, gathers)
         self._order: list[int] | None = None  # the gather order, once the ranks agreed on one
-        self._pieces: list[Piece] = []
-        self._tensors: list[torch.Tensor] = []  # the inner optimizer's parameters: one view per piece
+        self._shards = PieceOptimizer(optimizer_class, defaults, self.param_groups, engine.params)  # pieces.py
         self._stepped = False
         self._attach(engine)
         this = weakref.ref(self)  # weakly, so that a deepcopy of the module does not copy the optimizer
@@ -147,7 +147,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._layout: ShardLayout = self._reduction.layout
         self._params.adopt(engine.buckets, self._layout)
         self._buckets = engine.buckets
-        self._inner = self._build_inner({})
+        self._load_piece_state({})
 
     def follow_engine(self) -> None:
         """The wrapper's reducer was replaced before training (the fault-tolerant mode's rewiring): use the new one.
@@ -199,26 +199,16 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self._engine.buckets is not self._buckets:
             self._check_engine()
         self._params.wait(b)  # an all-gather of the last step may still be writing these parameters
-        hyperparameters = self._backward_step.hyperparameters(self.param_groups)
-        if hyperparameters is not None:  # the first bucket of this backward: LR schedulers changed outer
-            for inner, values in zip(self._inner.param_groups, hyperparameters):
-                inner.update(values)
-        indices = self._bucket_pieces[b]
-        self._bind_grads(from_shards=True, indices=indices)
-        step_pieces(self._inner, [self._tensors[i] for i in indices], [self._tensor_group[i] for i in indices])
-        self._unbind_grads(indices)
+        # The first bucket of this backward takes the hyper-parameters (LR schedulers changed them).
+        self._shards.step_bucket(b, self._shard_grad, self._backward_step.hyperparameters(self.param_groups))
         self._reduction.consumed_bucket(b)
         self._params.start([b])
         self._backward_step.owed = self._stepped = True
 
     def _step_shards(self, from_shards: bool) -> None:
         self._params.wait_all()  # the step writes the parameters; no gather may still be writing them
-        self._bind_grads(from_shards)
-        for outer, inner in zip(self.param_groups, self._inner.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params"})  # LR schedulers change outer
-        self._inner.step()
+        self._shards.step(self._shard_grad if from_shards else self._full_grad)
         self._reduction.consumed()
-        self._unbind_grads()
         if self.overlap_param_gather and not self._in_join():
             self._params.start(self._gather_order())
         else:
@@ -273,51 +263,36 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self.stage == 1:
             params = [p for group in self.param_groups for p in group["params"]]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        self._bind_grads(from_shards=True)
-        grads = [t.grad for t in self._tensors if t.grad is not None]
-        norm = clip_shards(grads, max_norm, norm_type, error_if_nonfinite, self._group, self._engine.buckets.device)
-        self._unbind_grads()
-        return norm
+        grads = [g for g in map(self._shard_grad, self._shards.pieces) if g is not None]
+        return clip_shards(grads, max_norm, norm_type, error_if_nonfinite, self._group, self._engine.buckets.device)
 
     # ------------------------------------------------------------------ pieces and their gradients
-    def _build_inner(self, state: PieceState) -> torch.optim.Optimizer:
-        self._pieces = self._layout.pieces(self._rank)
-        self._tensors = [self._params.own_range(p.bucket).narrow(0, p.shard_start, p.length) for p in self._pieces]
-        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
-        inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in self.param_groups]
-        self._tensor_group = [group_of.get(id(self._engine.params[piece.param])) for piece in self._pieces]
-        self._bucket_pieces: list[list[int]] = [[] for _ in self._layout.shard_numel]  # per bucket: its pieces
-        for i, (piece, tensor, g) in enumerate(zip(self._pieces, self._tensors, self._tensor_group)):
-            self._bucket_pieces[piece.bucket].append(i)
-            if g is not None:
-                inner_groups[g]["params"].append(tensor)
-        inner = self._optimizer_class(inner_groups, **self._kwargs)
-        for piece, tensor in zip(self._pieces, self._tensors):
-            if piece in state:
-                inner.state[tensor] = state[piece]
-        return inner
+    def _load_piece_state(self, state: PieceState) -> None:
+        """The inner optimizer over this rank's pieces of the current layout, with ``state`` (by piece)."""
+        self._shards.build(self._layout.pieces(self._rank), self._params.own_range, len(self._layout.padded), state)
 
     def _piece_state(self) -> PieceState:
-        return {p: dict(self._inner.state[t]) for p, t in zip(self._pieces, self._tensors) if t in self._inner.state}
+        return self._shards.state()
 
-    def _bind_grads(self, from_shards: bool, indices: list[int] | None = None) -> None:
-        """Each piece's gradient (of ``indices`` only, if given): from the reducer's shards (stage 2, a
-        joined rank) or from ``.grad``."""
+    @property
+    def _pieces(self) -> list[Piece]:
+        return self._shards.pieces
+
+    @property
+    def _inner(self) -> torch.optim.Optimizer | None:
+        return self._shards.inner
+
+    def _shard_grad(self, piece: Piece) -> torch.Tensor | None:
+        """A piece's gradient in the reducer's shards (stage 2, a joined rank); None: not stepped."""
         reduction = self._reduction
-        chosen = range(len(self._pieces)) if indices is None else indices
-        for piece, tensor in ((self._pieces[i], self._tensors[i]) for i in chosen):
-            if from_shards:
-                shard = reduction.grad_shards[piece.bucket]
-                used = reduction.is_used(piece.param, piece.bucket)
-                grad = shard.narrow(0, piece.shard_start, piece.length) if used else None
-            else:
-                full = self._engine.params[piece.param].grad
-                grad = None if full is None else memory_order(full).narrow(0, piece.param_start, piece.length)
-            tensor.grad = grad
+        if not reduction.is_used(piece.param, piece.bucket):
+            return None
+        return reduction.grad_shards[piece.bucket].narrow(0, piece.shard_start, piece.length)
 
-    def _unbind_grads(self, indices: list[int] | None = None) -> None:
-        for i in range(len(self._tensors)) if indices is None else indices:
-            self._tensors[i].grad = None
+    def _full_grad(self, piece: Piece) -> torch.Tensor | None:
+        """A piece's gradient in ``.grad`` (stage 1)."""
+        full = self._engine.params[piece.param].grad
+        return None if full is None else memory_order(full).narrow(0, piece.param_start, piece.length)
 
     # ------------------------------------------------------------------ layout and gathers
     def _before_forward(self, module: nn.Module, args: Any) -> None:
@@ -331,12 +306,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 # buffers, the old buckets), so that each old buffer is freed once its parameters moved
                 # and each old state key once it was sent: the relayout then holds little more than one
                 # layout at a time.
-                self._inner, self._tensors, self._buckets = None, [], self._engine.buckets
+                self._shards.release()
+                self._buckets = self._engine.buckets
                 old, new = self._layout, self._reduction.layout
                 self._params.adopt(self._engine.buckets, new)
                 self._layout, self._order = new, None
-                moved = exchange(state, old, new, self._group, self._engine.buckets.device)
-                self._inner = self._build_inner(moved)
+                self._load_piece_state(exchange(state, old, new, self._group, self._engine.buckets.device))
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._params.recording:
@@ -398,7 +373,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's plain format (from ``state_dict``, or from an unsharded optimizer); no collective."""
         full = from_plain(state_dict, self.param_groups, self._index)
-        self._inner = self._build_inner(pieces_from_full(full, self._pieces, self._engine.params))
+        self._load_piece_state(pieces_from_full(full, self._layout.pieces(self._rank), self._engine.params))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_finished_init", False):

@@ -1,0 +1,97 @@
+"""The optimizer the user named, over this rank's pieces: one tensor per piece, its state, its gradients.
+
+A piece (engine/sharding.py) is the part of one parameter that falls in this rank's range of a
+bucket. ``PieceOptimizer`` builds ``optimizer_class`` over one tensor per piece (a view of the
+parameters' flat buffer, so a step writes the parameters), each in its parameter's param group,
+and keeps which pieces lie in which bucket (``step_bucket``: [Note: the step inside backward] in
+backward_step.py). A piece of a parameter that no param group holds gets a tensor but no group:
+it is never stepped. State is keyed by piece between layouts (``state``, ``build``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..engine.sharding import Piece
+from .backward_step import step_pieces
+from .state_exchange import PieceState
+
+GradOf = Callable[[Piece], "torch.Tensor | None"]  # a piece's gradient, or None: not stepped
+
+
+class PieceOptimizer:
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        kwargs: dict[str, Any],
+        param_groups: list[dict[str, Any]],
+        params: list[torch.Tensor],
+    ) -> None:
+        """``param_groups``: the sharded optimizer's own (LR schedulers change them); ``params``: by engine index."""
+        self.optimizer_class, self.kwargs = optimizer_class, kwargs
+        self.param_groups, self.params = param_groups, params
+        self.pieces: list[Piece] = []
+        self.tensors: list[torch.Tensor] = []  # the inner optimizer's parameters: one view per piece
+        self.group_of: list[int | None] = []  # per piece: its param group
+        self.by_bucket: list[list[int]] = []  # per bucket: its pieces (indices)
+        self.inner: torch.optim.Optimizer | None = None
+
+    def build(
+        self, pieces: list[Piece], own_range: Callable[[int], torch.Tensor], buckets: int, state: PieceState
+    ) -> None:
+        """The inner optimizer over ``pieces`` (views of ``own_range(bucket)``), with their ``state``."""
+        self.pieces = pieces
+        self.tensors = [own_range(p.bucket).narrow(0, p.shard_start, p.length) for p in pieces]
+        group = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        self.group_of = [group.get(id(self.params[piece.param])) for piece in pieces]
+        inner_groups = [{**_values(g), "params": []} for g in self.param_groups]
+        self.by_bucket = [[] for _ in range(buckets)]
+        for i, (piece, tensor, g) in enumerate(zip(pieces, self.tensors, self.group_of)):
+            self.by_bucket[piece.bucket].append(i)
+            if g is not None:
+                inner_groups[g]["params"].append(tensor)
+        self.inner = self.optimizer_class(inner_groups, **self.kwargs)
+        for piece, tensor in zip(pieces, self.tensors):
+            if piece in state:
+                self.inner.state[tensor] = state[piece]
+
+    def release(self) -> None:
+        """Let go of the views of the parameters' buffers (a relayout frees each old one as it moves)."""
+        self.inner, self.tensors = None, []
+
+    def state(self) -> PieceState:
+        inner = self.inner
+        return {p: dict(inner.state[t]) for p, t in zip(self.pieces, self.tensors) if t in inner.state}
+
+    def step(self, grad_of: GradOf) -> None:
+        """Every piece with a gradient, with the param groups' hyper-parameters as they are now."""
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update(_values(outer))  # LR schedulers change the outer groups
+        indices = range(len(self.pieces))
+        self._bind(grad_of, indices)
+        self.inner.step()
+        self._unbind(indices)
+
+    def step_bucket(self, b: int, grad_of: GradOf, hyperparameters: list[dict[str, Any]] | None) -> None:
+        """Bucket ``b``'s pieces alone; ``hyperparameters`` (per group) first, unless None (kept)."""
+        for inner, values in zip(self.inner.param_groups, hyperparameters or []):
+            inner.update(values)
+        indices = self.by_bucket[b]
+        self._bind(grad_of, indices)
+        step_pieces(self.inner, [self.tensors[i] for i in indices], [self.group_of[i] for i in indices])
+        self._unbind(indices)
+
+    def _bind(self, grad_of: GradOf, indices: range | list[int]) -> None:
+        for i in indices:
+            self.tensors[i].grad = grad_of(self.pieces[i])
+
+    def _unbind(self, indices: range | list[int]) -> None:
+        for i in indices:
+            self.tensors[i].grad = None
+
+
+def _values(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
