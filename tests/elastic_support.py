@@ -105,9 +105,11 @@ def committed_batches(out: Path) -> dict[int, set[int]]:
     """Step -> the seeds of the batches its members contributed, from every process's log."""
     steps: dict[int, set[int]] = defaultdict(set)
     for path in out.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            steps[entry["step"]].add(entry["seed"])
+        entries = [json.loads(line) for line in path.read_text().splitlines()]
+        for index, entry in enumerate(entries):
+            revoked = any(e.get("revoked") == entry.get("step") for e in entries[index + 1 :])
+            if "seed" in entry and not revoked:  # a step the others revoked is no committed step
+                steps[entry["step"]].add(entry["seed"])
     return dict(steps)
 
 

@@ -11,6 +11,7 @@ kills or stops one on cue, and checks against references that do not come from g
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -116,6 +117,37 @@ def test_a_forced_disagreement_on_the_last_bucket_ends_in_one_decision(tmp_path:
     history = results[0]["history"]
     assert len(history) == 1 and history[0]["left_out"] == [] and "aborted" in history[0]["reason"]
     assert [len(v) for v in committed_batches(tmp_path).values()] == [3] * STEPS  # nothing lost: redone by all
+
+
+def test_a_vote_completed_by_the_others_but_lost_on_one_member_commits_there_too(tmp_path: Path) -> None:
+    """The others committed step 4 by their vote and went on; c learns it through the store
+    ([Note: settling a step]), applies it too, and the step after is redone by all three."""
+    job = ElasticJob(tmp_path, "vote-lost", replicas=3, steps=STEPS)
+    job.start_with_last_failing(["a", "b"], "c", "vote-lost:4")
+    results = _check_survivors(job, tmp_path, ["a", "b", "c"], STEPS, 3)
+    reasons = {r["name"]: [h["reason"] for h in r["history"]] for r in results}
+    assert reasons["c"] == ["the commit vote failed"], reasons
+    assert [len(reasons[n]) for n in ("a", "b")] == [1, 1] and "aborted" in reasons["a"][0], reasons
+    assert [len(v) for v in committed_batches(tmp_path).values()] == [3] * STEPS  # every step once, by all
+
+
+def test_a_member_taken_for_dead_right_after_its_vote_has_that_step_revoked_and_is_healed(tmp_path: Path) -> None:
+    """a and b lose their vote of step 4 and settle it; c, stopped right after its own vote, is taken
+    for dead: they abort the step and redo it without c. c, resumed, finds its commit revoked in the
+    store ([Note: settling a step]), joins again and is healed."""
+    job = ElasticJob(tmp_path, "revoked", replicas=3, steps=STEPS, final_world=3)
+    for name in ("a", "b"):
+        job.start(name, fault="vote-lost:4")
+    job.wait_arrivals(2)
+    job.start("c", fault="hang-after-vote:4")
+    job.wait_stopped("c", timeout_s=60)
+    time.sleep(4)  # a and b take c for dead (1.5 s), abort step 4 and redo it
+    job.procs["c"].send_signal(signal.SIGCONT)
+    results = _check_survivors(job, tmp_path, ["a", "b", "c"], STEPS, 3)
+    reasons = {r["name"]: [h["reason"] for h in r["history"]] for r in results}
+    assert reasons["c"][0].startswith("revoked: step 4 was aborted") and "joined and healed" in reasons["c"], reasons
+    batches = committed_batches(tmp_path)
+    assert [len(batches[s]) for s in range(5)] == [3, 3, 3, 3, 2], batches  # c's step 4 is not a committed one
 
 
 def test_powersgd_state_is_healed_across_a_reconfiguration(tmp_path: Path) -> None:

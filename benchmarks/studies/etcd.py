@@ -1,7 +1,7 @@
 """The fault-tolerant mode on a replicated etcd store: leader kills, and the per-step cost against TCPStore (#21).
 
     python -m benchmarks.studies.etcd faults     # 5 runs, each SIGKILLs the etcd leader mid-training
-    python -m benchmarks.studies.etcd decide     # what the store adds to a step: commit.decide(), etcd vs TCPStore
+    python -m benchmarks.studies.etcd decide     # what the store adds to deciding a step, etcd vs TCPStore
     python -m benchmarks.studies.etcd overhead   # per-step cost, etcd vs TCPStore, per workload
     python -m benchmarks.studies.etcd all        # all three
 
@@ -15,10 +15,11 @@ replica's worst gap between two committed steps, whether every replica committed
 and whether the final weights and optimizer state are bitwise those of the same job around a
 TCPStore with nothing killed (run once first).
 
-``decide``: 2 and 3 replicas call ``commit.decide`` (the vote and the decision of one step: all
-the store work on a step's critical path when nothing fails) 300 times after a barrier, without
-training; reported: the median and 90th percentile per call, per store. The difference is what
-etcd adds to every step, whatever the model.
+``decide``: 2 and 3 replicas decide a step the way ``FaultTolerant.step()`` does when nothing failed
+(``commit.vote``, one all-reduce over the gloo group, and ``commit.committed``) 300 times after a
+barrier, without training; reported: the median and 90th percentile per call, per store, and how
+many etcd requests the training thread sent meanwhile. The difference is what etcd adds to every
+step, whatever the model.
 
 ``overhead``: benchmarks/studies/elastic.py's ``overhead`` worker (two ranks; plain gradsync DDP and
 ``FaultTolerant`` interleaved in the same processes), run with the TCPStore and with etcd in turn,
@@ -159,37 +160,64 @@ def _one_kill(index: int, reference: str) -> dict:
 
 # ---------------------------------------------------------------------- decide
 def decide_worker(out: Path, name: str, calls: int) -> None:
+    import threading
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from gradsync.elastic import commit
 
     run = elastic.init(timeout_s=30.0, join_timeout_s=60.0)
-    generation, times = run.generation, []
-    for step in range(calls):
+    requests = _count_training_thread_requests(run.store, threading.main_thread())
+    generation, times, abandoned = run.generation, [], []
+    for _ in range(calls):
         dist.barrier()
         started = time.perf_counter()
-        decision = commit.decide(
-            run.store, run.quick_store, run.keys, generation.number, step, generation.members, True, "",
-            run.arrivals_seen, run.heartbeat, step % 10 == 0,
-        )  # fmt: skip
+        # What FaultTolerant.step() does to decide a step when nothing failed ([Note: commit]).
+        fewest = commit.vote(run.arrivals_seen, lambda work: work.wait(timedelta(seconds=0.1)), abandoned)
+        decision = commit.committed(run.store, run.keys, run.arrivals_seen, fewest)
         times.append(time.perf_counter() - started)
-        assert decision.commit
+        assert decision.commit and generation is run.generation
     times = sorted(times[20:])
-    summary = {"median_ms": statistics.median(times) * 1e3, "p90_ms": times[int(0.9 * len(times))] * 1e3}
+    summary = {
+        "median_ms": statistics.median(times) * 1e3,
+        "p90_ms": times[int(0.9 * len(times))] * 1e3,
+        "store_requests": requests(),
+    }
     (out / f"{name}.json").write_text(json.dumps(summary))
     dist.barrier()
     run.leave()
 
 
+def _count_training_thread_requests(store: object, thread: object):  # noqa: ANN202
+    """How many etcd requests ``thread`` sends from now on (None for a TCPStore: its client is C++)."""
+    from gradsync.elastic.etcd_store import EtcdStore
+
+    if not isinstance(store, EtcdStore):
+        return lambda: None
+    import threading
+
+    counted, real = [0], store._call
+
+    def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if threading.current_thread() is thread:
+            counted[0] += 1
+        return real(*args, **kwargs)
+
+    store._call = call
+    return lambda: counted[0]
+
+
 def decide(calls: int) -> list[str]:
     lines = [
-        "## What the store adds to a step: `commit.decide`",
+        "## What the store adds to deciding a step: `commit.vote` + `commit.committed`",
         "",
-        f"{calls} calls after a barrier, no training; the first 20 dropped. Per call, the slowest replica's median "
-        "and 90th percentile (ms).",
+        f"{calls} decisions after a barrier, no training; the first 20 dropped. Per decision, the slowest replica's "
+        "median and 90th percentile (ms); `etcd requests`: what the replicas' training threads sent to etcd during "
+        "all of them.",
         "",
-        "| replicas | TCPStore median, p90 | etcd median, p90 | etcd - TCPStore (median) |",
-        "|---:|---|---|---:|",
+        "| replicas | TCPStore median, p90 | etcd median, p90 | etcd - TCPStore (median) | etcd requests |",
+        "|---:|---|---|---:|---:|",
     ]
     server = elastic.serve("127.0.0.1", 0)
     with LocalCluster(3) as cluster:
@@ -212,10 +240,15 @@ def decide(calls: int) -> list[str]:
                 ]
                 _finish(procs, out)
                 rows = [json.loads((out / f"r{i}.json").read_text()) for i in range(replicas)]
-                cells[backend] = (max(r["median_ms"] for r in rows), max(r["p90_ms"] for r in rows))
+                cells[backend] = (
+                    max(r["median_ms"] for r in rows),
+                    max(r["p90_ms"] for r in rows),
+                    sum(r["store_requests"] or 0 for r in rows),
+                )
             tcp, etcd = cells["tcp"], cells["etcd"]
             lines.append(
-                f"| {replicas} | {tcp[0]:.2f}, {tcp[1]:.2f} | {etcd[0]:.2f}, {etcd[1]:.2f} | {etcd[0] - tcp[0]:.2f} |"
+                f"| {replicas} | {tcp[0]:.2f}, {tcp[1]:.2f} | {etcd[0]:.2f}, {etcd[1]:.2f} | {etcd[0] - tcp[0]:.2f} "
+                f"| {etcd[2]} |"
             )
     return lines
 

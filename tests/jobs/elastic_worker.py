@@ -7,7 +7,10 @@ steps. At the end it writes ``<name>.json`` (fingerprint, history) and ``<name>.
 ``--fault PHASE:STEP`` makes this process fail there: ``forward``, ``backward``, ``reduction``
 (in the comm hook), ``between`` (after a committed step) are SIGKILLs; ``hang`` SIGSTOPs itself
 mid-backward, ``hang-forward`` before its forward; ``disagree`` fails its last bucket locally (no
-death); ``heal`` dies as the heal source of a joiner.
+death); ``heal`` dies as the heal source of a joiner; ``vote-lost`` takes its completed vote for
+a failed one (the others committed the step: it must learn that through the store);
+``hang-after-vote`` SIGSTOPs itself right after its vote completed. A step of this process that
+the others revoked (it was taken for dead after its vote) is logged as ``{"revoked": step}``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch import nn
 
 from gradsync import DistributedDataParallel as DDP
 from gradsync import elastic
-from gradsync.elastic import heal
+from gradsync.elastic import commit, heal
 from gradsync.hooks import PowerSGDState, allreduce_hook, powersgd_hook
 from gradsync.zero import ShardedOptimizer
 
@@ -110,11 +113,14 @@ def main() -> None:
     divisor = int(args.divisor) if args.divisor.isdigit() else args.divisor
     if phase == "heal":
         _die_as_heal_source()
+    if phase in ("vote-lost", "hang-after-vote"):
+        _after_the_vote(phase, at_step)
     joiner = run.joining
     ft = elastic.FaultTolerant(ddp, opt, divisor=divisor)
     _STATE["ft"] = ft
     log = (out / f"{args.name}.jsonl").open("a")
     current = {"step": -1, "seed": -1}
+    revoked = 0  # history entries looked at for revoked steps
     optimizer_step = opt.step
 
     def logged_step() -> None:  # FaultTolerant steps the optimizer only for a committed step
@@ -143,6 +149,11 @@ def main() -> None:
         nn.functional.cross_entropy(ddp(x), y).backward()
         current.update(step=step, seed=seed)
         ft.step()
+        for entry in run.history[revoked:]:
+            if "revoked" in entry:
+                log.write(json.dumps({"revoked": entry["revoked"]}) + "\n")
+                log.flush()
+        revoked = len(run.history)
         if phase == "between" and step == at_step:
             die()
         time.sleep(args.sleep)
@@ -213,6 +224,22 @@ def _die_as_heal_source() -> None:
         return real(payload, source, group, device)
 
     heal.transfer = transfer
+
+
+def _after_the_vote(phase: str, at_step: int) -> None:
+    real = commit.vote
+
+    def vote(arrivals_known, wait, abandoned):  # noqa: ANN001, ANN202
+        fewest = real(arrivals_known, wait, abandoned)
+        ft = _STATE.get("ft")
+        if ft is not None and ft.step_count == at_step and ft.generation == 0:
+            if phase == "hang-after-vote":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                raise RuntimeError("the commit vote failed: injected after it completed")
+        return fewest
+
+    commit.vote = vote
 
 
 def _hook_digest(state: PowerSGDState | None) -> str:

@@ -1,37 +1,34 @@
-"""One decision per step, in the store: every member applies the optimizer step, or none does.
+"""One decision per step: every member applies the optimizer step, or none does.
 
 [Note: commit]
 After a kill, survivors can disagree on whether the last collective completed (NOTES, exp3:
-1 in 25 random kills). So no rank steps on local success alone. Each member whose reductions all
-completed counts itself in with ``add(ok, 1)``; the one that brings the count to the group size
-writes ``commit`` with ``compare_set``; a member whose reduction failed, or that sees a member
-stop beating first, writes ``abort``. The first value written wins and every member acts on it.
-Costs two store round trips per member and step (about 0.1 ms each on an idle loopback).
+1 in 25 random kills). So no rank steps on a reduction's local success alone: once its
+reductions all completed, a member *votes*, one all-reduce of one integer over the
+generation's group. A vote that completes on a member means every member voted, so every
+member's reductions completed: the step commits. This is the whole cost of a step that
+commits (about what one TCPStore round trip costs; nothing goes through the store, so a
+replicated store adds nothing to a step: its writes are Raft entries a majority fsyncs).
 
-The committing member also admits the joiners that arrived since the last admission (it looks
-at most twice a second); the decision names them, so every member starts the same next
+A member whose reduction failed does not vote; it *settles* the step through the store
+(settle.py), and so does a member whose vote failed or that saw another member start settling
+(the generation's ``trouble`` key, read by every wait on this generation's collectives): there,
+the standing decision of each step is written once with ``compare_set``. The vote's one integer
+is the number of arrivals (would-be joiners) each member knows of; the fewest is what every
+member admits with this commit, so they all name the same joiners and form the same next
 generation.
-
-A store with a ``vote`` method (etcd_store.py: multi-key transactions) does the count and the
-commit in one transaction per member instead: each member writes its own vote key, and the
-transaction that finds every other member's vote there (and no decision yet) also writes
-``commit``. etcd applies transactions one at a time, so exactly one member is last. Each member
-looks for joiners before it votes (at most twice a second), so that the last one can name them.
-The decision key, the abort and everything after are the same for both stores.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from .heartbeat import Heartbeat
 from .keys import Keys
-
-QUICK_TIMEOUT = timedelta(seconds=0.5)  # how often a member waiting for the decision looks at the heartbeats
 
 
 @dataclass(frozen=True)
@@ -40,66 +37,44 @@ class Decision:
     admit: list[str] = field(default_factory=list)
     arrivals_seen: int = 0  # arrivals up to this index have been admitted (or were members)
     reason: str = ""
+    # An abort only: whether every member of the next generation holds this step's local
+    # gradients, so that they reduce them again; if not, the step's batches are dropped.
+    redo: bool = True
+
+    def encoded(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def decoded(cls, value: bytes | str) -> Decision:
+        return cls(**json.loads(value))
 
 
-def decide(
-    store: dist.Store,
-    quick: dist.Store,
-    keys: Keys,
-    generation: int,
-    step: int,
-    members: list[str],
-    ok: bool,
-    failure: str,
-    arrivals_seen: int,
-    heartbeat: Heartbeat,
-    look_for_joiners: bool,
-) -> Decision:
-    """Two store round trips per member when the step commits (one transaction, then a read, with a store
-    that has ``vote``). ``quick``: a client of the same store
-    whose ``get`` gives up after a short timeout, so that a member waiting for the decision keeps an
-    eye on the heartbeats. ``look_for_joiners``: whether the deciding member checks for arrivals."""
-    key = keys.decision(generation, step)
-    if not ok:
-        return _propose(store, key, Decision(False, [], arrivals_seen, failure))
-    vote = getattr(store, "vote", None)
-    if vote is not None:  # one transaction: vote, and commit if this is the last vote ([Note: commit])
-        commit = Decision(True, *_arrivals(store, keys, arrivals_seen, look_for_joiners))
-        others = [keys.vote(generation, step, m) for m in members if m != heartbeat.uuid]
-        if vote(keys.vote(generation, step, heartbeat.uuid), others, key, json.dumps(commit.__dict__)):
-            return commit
-    elif store.add(keys.ok(generation, step), 1) == len(members):
-        return _propose(store, key, Decision(True, *_arrivals(store, keys, arrivals_seen, look_for_joiners)))
-    while True:
-        try:
-            # get() blocks until the key is set: answered as soon as the deciding member writes it. One
-            # that times out (a member is slow or gone) logs a line from torch's C++ client.
-            return Decision(**json.loads(quick.get(key)))
-        except dist.DistStoreError:
-            gone = heartbeat.stale() & set(members)
-            if gone:
-                return _propose(
-                    store, key, Decision(False, [], arrivals_seen, f"members {sorted(gone)} stopped beating")
-                )
-            # Nobody is stale, yet no answer: ask through the patient client, which waits out a store
-            # that does not answer (an etcd election) up to its own timeout and then raises, saying why.
-            store.check([key])
+def vote(arrivals_known: int, wait: Callable[[Any], Any], abandoned: list[Any]) -> int:
+    """This member's vote: the fewest arrivals any member knows of, once every member voted.
+
+    Raises RuntimeError when the vote cannot complete here (a member died, or started settling:
+    ``wait`` gives up then). The work handle of a failed vote goes to ``abandoned``: freeing one
+    whose gloo pair saw its peer die can end the process.
+    """
+    tally = torch.tensor([arrivals_known], dtype=torch.int64)
+    work = None
+    try:
+        work = dist.all_reduce(tally, op=dist.ReduceOp.MIN, async_op=True)
+        wait(work)
+    except Exception as error:
+        abandoned.append(work)
+        raise RuntimeError(f"the commit vote failed: {error}") from error
+    return int(tally.item())
 
 
-def _arrivals(store: dist.Store, keys: Keys, arrivals_seen: int, look: bool) -> tuple[list[str], int]:
-    """The joiners to admit with this commit (those that arrived since ``arrivals_seen``), if ``look``."""
-    if not look:
-        return [], arrivals_seen
-    seen = max(store.add(keys.arrivals, 0), arrivals_seen)
-    return [store.get(keys.arrival(i)).decode() for i in range(arrivals_seen + 1, seen + 1)], seen
+def committed(store: dist.Store, keys: Keys, arrivals_seen: int, fewest_known: int) -> Decision:
+    """The commit a completed vote decided: it admits the arrivals every member knows of."""
+    if fewest_known <= arrivals_seen:
+        return Decision(True, [], arrivals_seen)
+    joiners = [store.get(keys.arrival(i)).decode() for i in range(arrivals_seen + 1, fewest_known + 1)]
+    return Decision(True, joiners, fewest_known)
 
 
-def _propose(store: dist.Store, key: str, decision: Decision) -> Decision:
+def propose(store: dist.Store, key: str, decision: Decision) -> Decision:
     """Write ``decision`` unless one was written first; the one that stands."""
-    return Decision(**json.loads(store.compare_set(key, "", json.dumps(decision.__dict__))))
-
-
-def aborted(store: dist.Store, keys: Keys, generation: int, step: int) -> bool:
-    """Whether some member already decided this step will not commit."""
-    key = keys.decision(generation, step)
-    return store.check([key]) and not json.loads(store.get(key))["commit"]
+    return Decision.decoded(store.compare_set(key, "", decision.encoded()))

@@ -53,6 +53,7 @@ import torch.distributed as dist
 DEFAULT_REQUEST_TIMEOUT_S = 0.5
 _TXN_MAX_OPS = 128  # etcd's default --max-txn-ops
 _RETRIED_CODES = {2, 4, 8, 10, 14}  # gRPC UNKNOWN (dropped proposal), DEADLINE, EXHAUSTED, ABORTED, UNAVAILABLE
+_PROBE_TIMEOUT_S = 1.0  # a member's status, when saying why nothing answered (0.3 s was missed on a loaded box)
 _marks = itertools.count(1)
 # Every EtcdStore ever made, kept alive: torch's C++ side (a PrefixStore, a gloo group) holds the
 # C++ half of a Python store but not the Python object, whose methods it calls; were the object
@@ -210,20 +211,6 @@ class EtcdStore(dist.Store):
                     (int(_unb64(counter[0]["value"])), int(counter[0]["mod_revision"])) if counter else (0, 0)
                 )
 
-    def vote(self, key: str, others: list[str], decision: str, value: str | bytes) -> bool:
-        """Set ``key`` and, if every key of ``others`` exists and ``decision`` does not, set ``decision`` to
-        ``value`` too: one transaction. True if this call wrote ``decision`` ([Note: commit] in commit.py)."""
-        put_vote = {"request_put": {"key": self._key(key), "value": _b64("1")}}
-        compare = [{"key": self._key(decision), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}]
-        compare += [
-            {"key": self._key(k), "target": "CREATE", "result": "GREATER", "create_revision": "0"} for k in others
-        ]
-        put_decision = {"request_put": {"key": self._key(decision), "value": _b64(value)}}
-        reply = self._call(
-            "/v3/kv/txn", {"compare": compare, "success": [put_vote, put_decision], "failure": [put_vote]}
-        )
-        return bool(reply.get("succeeded"))
-
     def delete_key(self, key: str) -> bool:
         reply = self._call("/v3/kv/deleterange", {"key": self._key(key)})
         with self._lock:
@@ -331,7 +318,7 @@ class EtcdStore(dist.Store):
         answered, leaders = [], set()
         for endpoint in self.endpoints:
             try:
-                status = self._post(endpoint, "/v3/maintenance/status", b"{}", 0.3)
+                status = self._post(endpoint, "/v3/maintenance/status", b"{}", _PROBE_TIMEOUT_S)
             except (_Unanswered, RuntimeError, ValueError):
                 continue
             answered.append(endpoint)

@@ -3,7 +3,8 @@
 [Note: a step is decided before it is written] (see also engine/tolerance.py)
 ``loss.backward()`` reduces as usual, but a failed collective is noted rather than raised, and the
 averages wait in the buckets. ``ft.step()`` then
-1. asks every member to decide together whether the step commits (commit.py);
+1. asks every member to decide together whether the step commits: a vote over the group when
+   nothing failed (commit.py), else through the store (settle.py);
 2. commit: writes the averages to ``.grad``, runs ``optimizer.step()``; if joiners arrived, forms
    the next generation with them and heals them;
 3. abort (a member died, hung, or a collective failed): forms the next generation of the live
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -28,12 +30,11 @@ import torch.distributed as dist
 from ..engine.results import wait_for
 from ..observability.divergence import fingerprint
 from ..wrapper.data_parallel import DataParallelWrapper
-from . import commit, heal, hook_state, membership
+from . import commit, heal, hook_state, membership, settle
 from .run import ElasticRun, current
 from .sharded_state import ShardedState, lost_shards_error
 
 logger = logging.getLogger(__name__)
-_LOOK_FOR_JOINERS_S = 0.5  # how often a member checks the store for arrivals, at most
 _SLICE_S = 0.1  # how often a wait for a bucket looks at its peers' heartbeats
 _FIRST_POLL_S, _MAX_POLL_S = 0.0001, 0.002  # polling a comm hook's future
 
@@ -88,7 +89,8 @@ class FaultTolerant:
         # A sharded optimizer: [Note: a sharded optimizer under the fault-tolerant mode] in sharded_state.py.
         self._sharded: ShardedState | None = optimizer if hasattr(optimizer, "describe_lost_shards") else None
         self._step = 0
-        self._looked_for_joiners = 0.0
+        self._last_vote: tuple[tuple[int, int], commit.Decision] | None = None  # (generation, step), its commit
+        self._store_lost: Exception | None = None  # the store's error, if it stopped answering
         if self.run.joining:
             self._join()
         else:
@@ -134,40 +136,39 @@ class FaultTolerant:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> bool:
-        """Agree on this step with the other members and apply it: True once it is committed."""
+        """Agree on this step with the other members and apply it: True once it is committed.
+
+        False when this process's batch of the step was dropped: it was left out of the next
+        generation (it joined again and was healed), or the step was aborted while some member
+        held no local gradients to redo it with ([Note: settling a step] in settle.py).
+        """
         engine = self.ddp.engine
         if engine.tolerance.deferred is None and not engine.tolerance.failures:
             raise RuntimeError(
                 f"FaultTolerant.step() on rank {self.rank} found no reduced gradients: run a synced forward and "
                 "backward through the wrapped model first (not inside no_sync())."
             )
+        if self.run.heartbeat.unanswered(self.run.heartbeat.timeout_s) is not None:
+            # No failure could be settled now: wait for the store here, up to its own timeout, and
+            # raise what it says (a lost quorum, say) rather than train on unprotected.
+            self.run.store.check([self.run.keys.trouble(self.run.generation.number)])
         retried_with_all_alive = False
         while True:
             generation = self.run.generation
-            failure = "; ".join(engine.tolerance.failures)
-            look = self._sharded is None and time.monotonic() - self._looked_for_joiners > _LOOK_FOR_JOINERS_S
-            decision = commit.decide(
-                self.run.store,
-                self.run.quick_store,
-                self.run.keys,
-                generation.number,
-                self._step,
-                generation.members,
-                not engine.tolerance.failures,
-                failure,
-                self.run.arrivals_seen,
-                self.run.heartbeat,
-                look,
-            )
-            if look:
-                self._looked_for_joiners = time.monotonic()
+            try:
+                decision, by_vote = self._decide(generation)
+            except settle.Revoked as revoked:
+                self._revoked(generation, revoked)
+                return False
             if decision.commit:
-                self._apply(decision)
+                self._apply(decision, by_vote)
                 return True
             engine.tolerance.drop_step()
             before = set(generation.members)
             if not self._reconfigure(generation.members, generation.members, f"step aborted: {decision.reason}", True):
                 return False  # this process was left out; it joined again and was healed
+            if not decision.redo:
+                return False  # a member had no local gradients of this step: its batches are dropped
             if before == set(self.run.generation.members):
                 if retried_with_all_alive:
                     raise RuntimeError(
@@ -178,19 +179,70 @@ class FaultTolerant:
             engine = self.ddp.engine
             engine.reduce_again()
 
-    def _apply(self, decision: commit.Decision) -> None:
+    def _decide(self, generation: membership.Generation) -> tuple[commit.Decision, bool]:
+        """This step's decision, and whether the vote made it ([Note: commit]; else settled, settle.py)."""
+        engine = self.ddp.engine
+        run = self.run
+        failures = list(engine.tolerance.failures)
+        if not failures:
+            try:
+                fewest = commit.vote(self._arrivals_known(), self._wait_watching, engine.tolerance.abandoned)
+                return commit.committed(run.store, run.keys, run.arrivals_seen, fewest), True
+            except RuntimeError as error:
+                failures.append(str(error))
+        if self._store_lost is not None:  # a wait gave up on the store: settling would wait for it once more
+            raise self._store_lost
+        voted = self._last_vote  # the previous step's commit, if a vote made it in this generation
+        last = voted[1] if voted is not None and voted[0] == (generation.number, self._step - 1) else None
+        decision = settle.settle(
+            run.store, run.keys, generation, self._step, run.uuid, last, run.arrivals_seen, "; ".join(failures),
+            run.heartbeat, run.timeout_s,
+        )  # fmt: skip
+        if decision.commit and engine.tolerance.failures:
+            raise RuntimeError(
+                f"Rank {self.rank}: step {self._step} was settled as committed although this member's reduction "
+                f"failed ({failures[0]}), so it never voted: a bug in gradsync.elastic's commit protocol."
+            )
+        return decision, False
+
+    def _arrivals_known(self) -> int:
+        """What this member votes: the arrivals it knows of (none new with a sharded optimizer, which admits no one)."""
+        if self._sharded is not None:
+            return self.run.arrivals_seen
+        return max(self.run.heartbeat.arrivals_known, self.run.arrivals_seen)
+
+    def _apply(self, decision: commit.Decision, by_vote: bool) -> None:
         engine = self.ddp.engine
         engine.write_deferred()
         engine.tolerance.drop_step()
         self.optimizer.step()
         self._step += 1
-        self.run.arrivals_seen = decision.arrivals_seen
+        run = self.run
+        run.arrivals_seen = decision.arrivals_seen
+        generation = run.generation
+        self._last_vote = ((generation.number, self._step - 1), decision) if by_vote else None
+        if decision.admit or not by_vote:
+            # Leaving this generation now: a member still settling the step learns it committed.
+            word = settle.Word(self._step, False, asdict(decision))
+            settle.publish(run.store, run.keys, generation.number, run.uuid, word)
         if decision.admit:
-            generation = self.run.generation
             for joiner in decision.admit:
-                self.run.store.set(self.run.keys.admitted(joiner), str(generation.number + 1))
+                run.store.set(run.keys.admitted(joiner), str(generation.number + 1))
             reason = f"admitting {len(decision.admit)} joiner(s)"
             self._reconfigure(generation.members + decision.admit, generation.members, reason, False)
+        elif not by_vote:  # settled: the vote failed somewhere, so this generation's group is broken
+            self._reconfigure(generation.members, generation.members, "the commit vote failed", True)
+
+    def _revoked(self, generation: membership.Generation, revoked: settle.Revoked) -> None:
+        """The others aborted a step this member committed: it joins again and is healed."""
+        logger.warning("gradsync.elastic: %s while this process was taken for dead; joining again", revoked)
+        run = self.run
+        membership.decline(run.store, run.keys, generation.number + 1, run.uuid)  # nobody waits for it
+        entry = {"generation": generation.number, "reason": f"revoked: {revoked}", "revoked": self._step - 1}
+        run.history.append(entry)
+        self.ddp.engine.tolerance.drop_step()
+        self._last_vote = None
+        self._rejoin()
 
     # ------------------------------------------------------------------ membership changes
     def _reconfigure(self, candidates: list[str], healthy: list[str], reason: str, aborted: bool) -> bool:
@@ -362,7 +414,7 @@ class FaultTolerant:
 
     # ------------------------------------------------------------------ waiting for buckets
     def _wait_watching(self, pending: Any) -> Any:
-        """Wait for one bucket, giving up as soon as a member stops beating or another decided to abort.
+        """Wait for one bucket (or the vote), giving up as soon as a member stops beating or another settles.
 
         No completion callback: a Python callback run by gloo's thread on a failed work has been
         seen to end the process (terminate on gloo::IoException); waiting in slices has not.
@@ -391,5 +443,10 @@ class FaultTolerant:
         if gone:
             ranks = sorted(generation.rank_of(u) for u in gone)
             raise RuntimeError(f"rank(s) {ranks} stopped beating; their collectives are abandoned")
-        if commit.aborted(self.run.store, self.run.keys, generation.number, self._step):
-            raise RuntimeError("another member decided this step will not commit")
+        try:
+            troubled = self.run.store.check([self.run.keys.trouble(generation.number)])
+        except dist.DistStoreError as error:  # it did not answer within its own timeout: fatal (see step())
+            self._store_lost = error
+            raise
+        if troubled:
+            raise RuntimeError("another member is settling this step (a collective or a vote failed there)")

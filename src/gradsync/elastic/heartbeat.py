@@ -12,6 +12,13 @@ for a while (an etcd leader election: 1-2.5 s at etcd's defaults), nobody's beat
 silence of that stretch says nothing about the peers: during it nobody turns stale, and after
 it a peer whose count has not moved is given ``grace_s`` (about five beats) to show that it
 lives before it is taken for dead. A round that fails is skipped; the thread keeps beating.
+
+Steps that commit do not use the store ([Note: commit]), so training goes on while it does not
+answer; ``unanswered`` tells the training thread when that lasted a heartbeat timeout, and the
+training thread then waits for the store itself (a lost etcd quorum, a dead TCPStore is named
+within the store's timeout) rather than train on unprotected.
+The same thread notes the run's arrivals counter (at most twice a second), so that a step's vote
+can name the joiners without a store round trip on the training thread ([Note: commit]).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from datetime import timedelta
 
 from .backends import connect
 from .keys import Keys
+
+_ARRIVALS_EVERY_S = 0.5
 
 
 class Heartbeat:
@@ -37,6 +46,9 @@ class Heartbeat:
         self._observed = time.monotonic()  # when the last round of reads succeeded
         self.grace_s = min(timeout_s, 5 * period_s)  # after a gap in observation ([Note: silence is counted ...])
         self._watched: set[str] = set()
+        self.arrivals_known = 0  # the arrivals counter when last read (it only grows)
+        self._arrivals_read = 0.0
+        self.last_error: Exception | None = None  # why the last round failed
         self._stop = threading.Event()
         self._store.add(keys.heartbeat(uuid), 1)  # beating before anyone can look for it
         self._thread = threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True)
@@ -45,15 +57,21 @@ class Heartbeat:
     def watch(self, uuids: Iterable[str]) -> None:
         """Watch these peers (and only these) from now on; a new one gets a full timeout of grace."""
         with self._lock:
-            self._watched = set(uuids) - {self.uuid}
+            before, self._watched = self._watched, set(uuids) - {self.uuid}
             now = time.monotonic()
-            for uuid in self._watched:
-                self._seen.setdefault(uuid, (-1, now))
+            for uuid in self._watched - before:  # also one watched before, then not (it rejoins after a hang)
+                self._seen[uuid] = (-1, now)
 
     def stale(self) -> set[str]:
         """Watched peers whose count has not changed for ``timeout_s`` of observation."""
         with self._lock:
             return {u for u in self._watched if self._observed - self._seen[u][1] > self.timeout_s}
+
+    def unanswered(self, limit_s: float) -> Exception | None:
+        """The store's last error if it has not answered a round for more than ``limit_s``, else None."""
+        with self._lock:
+            silent = time.monotonic() - self._observed
+        return self.last_error if silent > limit_s else None
 
     def alive(self, uuid: str) -> bool:
         return uuid == self.uuid or uuid not in self.stale()
@@ -66,7 +84,11 @@ class Heartbeat:
                 with self._lock:
                     watched = list(self._watched)
                 counts = {u: self._store.add(self._keys.heartbeat(u), 0) for u in watched}
-            except Exception:  # noqa: BLE001 - no answer in time: nothing observed this round
+                if time.monotonic() - self._arrivals_read > _ARRIVALS_EVERY_S:
+                    self.arrivals_known = self._store.add(self._keys.arrivals, 0)
+                    self._arrivals_read = time.monotonic()
+            except Exception as error:  # noqa: BLE001 - no answer in time: nothing observed this round
+                self.last_error = error
                 continue
             self._note(counts)
 

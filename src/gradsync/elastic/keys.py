@@ -34,11 +34,11 @@ class Keys:
     def group_prefix(self, generation: int) -> str:
         return f"{self.root}/gen/{generation}/pg/"
 
-    def ok(self, generation: int, step: int) -> str:
-        return f"{self.root}/gen/{generation}/step/{step}/ok"
+    def trouble(self, generation: int) -> str:
+        return f"{self.root}/gen/{generation}/trouble"  # set by a member settling a step (elastic/settle.py)
 
-    def vote(self, generation: int, step: int, uuid: str) -> str:
-        return f"{self.root}/gen/{generation}/step/{step}/vote/{uuid}"  # a member's ok (stores with vote())
+    def word(self, generation: int, uuid: str) -> str:
+        return f"{self.root}/gen/{generation}/word/{uuid}"  # what a settling member says of itself
 
     def decision(self, generation: int, step: int) -> str:
         return f"{self.root}/gen/{generation}/step/{step}/decision"

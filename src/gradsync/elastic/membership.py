@@ -12,8 +12,9 @@ the joiners a commit decision admitted):
    is the generation, and everybody reads it back;
 4. the members open the generation's process group, on a key prefix of its own in the store.
 A candidate that comes too late is not a member: it is still alive, so it joins again and is
-healed (``FaultTolerant``). A member that dies while the group opens makes the opening time out;
-the others form the next generation from this one.
+healed (``FaultTolerant``); so is one whose last step was revoked (elastic/settle.py), which
+says so in ``present`` at once rather than make the others wait. A member that dies while the
+group opens makes the opening time out; the others form the next generation from this one.
 
 The group becomes the default process group (``dist.group.WORLD``), so every collective
 gradsync and the user issue without a group follows the generation. The previous group is kept
@@ -38,6 +39,7 @@ from .keys import Keys
 # Process groups of earlier generations: never dropped (see the note); one per reconfiguration.
 _graveyard: list[Any] = []
 _POLL_S = 0.005
+_DECLINED = b"0"  # the ``present`` value of a candidate that will not be a member (it joins again)
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,17 @@ def form(
         waiting = [c for c in candidates if not store.check([keys.present(number, c)])]
         gone = heartbeat.stale() | {c for c in waiting if store.check([keys.left(c)])}
         if all(c in gone for c in waiting) or time.monotonic() > deadline:
-            present = [c for c in candidates if c not in waiting]
+            present = [c for c in candidates if c not in waiting and store.get(keys.present(number, c)) != _DECLINED]
             proposal = Generation(number, present, step, [h for h in healthy if h in present])
             store.compare_set(decided, "", json.dumps(asdict(proposal)))
             break
         time.sleep(0.02)
     return Generation(**json.loads(store.get(decided)))
+
+
+def decline(store: dist.Store, keys: Keys, number: int, me: str) -> None:
+    """Tell the candidates forming generation ``number`` not to wait for this process: it joins again."""
+    store.set(keys.present(number, me), _DECLINED)
 
 
 def bury(thing: Any) -> None:

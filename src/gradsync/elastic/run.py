@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from . import membership
 from .backends import connect
-from .commit import QUICK_TIMEOUT
 from .heartbeat import Heartbeat
 from .keys import Keys
 from .membership import Generation
@@ -35,7 +34,6 @@ class ElasticRun:
     run_id: str
     keys: Keys
     store: dist.Store  # a TCPStore or an EtcdStore (backends.py)
-    quick_store: dist.Store  # the same store, for reads that give up soon (commit.QUICK_TIMEOUT)
     uuid: str
     heartbeat: Heartbeat
     replicas: int
@@ -108,7 +106,6 @@ def init(
         keys.root.rsplit("/", 1)[-1],
         keys,
         client,
-        connect(address, QUICK_TIMEOUT),
         me,
         heartbeat,
         count,
