@@ -26,7 +26,7 @@ step, whatever the model.
 twice each. Within a run the ratio fault_tolerant/ddp cancels the machine's drift; etcd's ratio over
 TCPStore's is what the store costs per step.
 
-Writes ``results/YYYY-MM-DD-etcd.md``.
+Writes ``results/YYYY-MM-DD-etcd[-LABEL].md``.
 """
 
 from __future__ import annotations
@@ -315,6 +315,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="mlp_many_small,cnn_bn,transformer")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--label", default="", help="report name results/DATE-etcd-LABEL.md (keeps earlier ones)")
     args = parser.parse_args()
     lines = [f"# The fault-tolerant mode on etcd: leader kills and per-step cost ({common.today()})", ""]
     lines += [f"Command: `python -m benchmarks.studies.etcd {' '.join(sys.argv[1:])}`", ""]
@@ -330,7 +331,7 @@ def main() -> None:
     if args.what in ("overhead", "all"):
         lines += overhead(args.workloads.split(","), args.rounds, args.pairs) + [""]
     lines += [f"- load average at the end: {common.loadavg()}"]
-    path = common.report_path("etcd")
+    path = common.report_path(f"etcd-{args.label}" if args.label else "etcd")
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"written to {path}")

@@ -211,6 +211,20 @@ class EtcdStore(dist.Store):
                     (int(_unb64(counter[0]["value"])), int(counter[0]["mod_revision"])) if counter else (0, 0)
                 )
 
+    def beat(self, key: str, value: str, reads: list[str]) -> list[bytes | None]:
+        """Put ``key`` and read ``reads`` (None: absent) in one transaction: a heartbeat round
+        (elastic/heartbeat.py) in one request instead of one per key."""
+        puts = [{"request_put": {"key": self._key(key), "value": _b64(value)}}]
+        found: list[bytes | None] = []
+        for start in range(0, max(len(reads), 1), _TXN_MAX_OPS - 1):
+            ranges = [{"request_range": {"key": self._key(k)}} for k in reads[start : start + _TXN_MAX_OPS - 1]]
+            reply = self._call("/v3/kv/txn", {"compare": [], "success": puts + ranges})
+            for response in reply.get("responses", [])[len(puts) :]:
+                kvs = response.get("response_range", {}).get("kvs", [])
+                found.append(_unb64(kvs[0]["value"]) if kvs else None)
+            puts = []
+        return found
+
     def delete_key(self, key: str) -> bool:
         reply = self._call("/v3/kv/deleterange", {"key": self._key(key)})
         with self._lock:

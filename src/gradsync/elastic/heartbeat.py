@@ -50,7 +50,8 @@ class Heartbeat:
         self._arrivals_read = 0.0
         self.last_error: Exception | None = None  # why the last round failed
         self._stop = threading.Event()
-        self._store.add(keys.heartbeat(uuid), 1)  # beating before anyone can look for it
+        self._beats = 0
+        self._beat([])  # beating before anyone can look for it
         self._thread = threading.Thread(target=self._run, name="gradsync-heartbeat", daemon=True)
         self._thread.start()
 
@@ -77,20 +78,36 @@ class Heartbeat:
         return uuid == self.uuid or uuid not in self.stale()
 
     def _run(self) -> None:
-        key = self._keys.heartbeat(self.uuid)
         while not self._stop.wait(self.period_s):
             try:
-                self._store.add(key, 1)
-                with self._lock:
-                    watched = list(self._watched)
-                counts = {u: self._store.add(self._keys.heartbeat(u), 0) for u in watched}
-                if time.monotonic() - self._arrivals_read > _ARRIVALS_EVERY_S:
-                    self.arrivals_known = self._store.add(self._keys.arrivals, 0)
-                    self._arrivals_read = time.monotonic()
+                self._round()
             except Exception as error:  # noqa: BLE001 - no answer in time: nothing observed this round
                 self.last_error = error
-                continue
-            self._note(counts)
+
+    def _round(self) -> None:
+        """Beat once and read the watched peers' counts (and now and then the arrivals counter)."""
+        with self._lock:
+            watched = list(self._watched)
+        reads = [self._keys.heartbeat(u) for u in watched]
+        look = time.monotonic() - self._arrivals_read > _ARRIVALS_EVERY_S
+        values = self._beat(reads + [self._keys.arrivals] if look else reads)
+        if look:
+            self.arrivals_known = values.pop()
+            self._arrivals_read = time.monotonic()
+        self._note(dict(zip(watched, values)))
+
+    def _beat(self, reads: list[str]) -> list[int]:
+        """Count this process's beat up and read ``reads`` (counters; an absent one reads 0). A store
+        with ``beat`` does it in one request (etcd: one transaction; the count is this thread's own,
+        so a put does); others with ``add``."""
+        self._beats += 1
+        beat = getattr(self._store, "beat", None)
+        if beat is not None:
+            return [
+                int(v) if v is not None else 0 for v in beat(self._keys.heartbeat(self.uuid), str(self._beats), reads)
+            ]
+        self._store.add(self._keys.heartbeat(self.uuid), 1)
+        return [self._store.add(key, 0) for key in reads]
 
     def _note(self, counts: dict[str, int]) -> None:
         now = time.monotonic()
