@@ -1,11 +1,11 @@
 """One trainer of a fault-tolerant run whose store is an etcd cluster (tests/test_etcd_faults.py, the fault benchmark).
 
 The model, batches and digests are tests/jobs/elastic_worker.py's, so ``elastic_support.replay``
-retrains the committed steps. Every committed step appends ``{"step", "seed", "t", "digest"}`` to
-``<out>/<name>.jsonl`` (``t``: the wall clock after the step; ``digest``: of the parameters and
-optimizer state); at the end ``<name>.json`` holds the digest and the history, and ``<name>.pt``
-the weights. An
-error (the store lost its quorum, say) is written to ``<name>.error`` and ends the process with 3.
+retrains the committed steps. Every committed step appends ``{"step", "seed", "t", "digest",
+"requests"}`` to ``<out>/<name>.jsonl`` (``t``: the wall clock after the step; ``digest``: of the
+parameters and optimizer state; ``requests``: etcd requests the training thread sent so far); at
+the end ``<name>.json`` holds the digest and the history, and ``<name>.pt`` the weights. An error
+(the store lost its quorum, say) is written to ``<name>.error`` and ends the process with 3.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -60,6 +61,7 @@ def train(args: argparse.Namespace, out: Path) -> None:
     ddp = DDP(make_model(), bucket_cap_mb=0.002)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     ft = elastic.FaultTolerant(ddp, opt)
+    requests = _count_requests(run.store)
     log = (out / f"{args.name}.jsonl").open("a")
     current = {"step": -1, "seed": -1}
     optimizer_step = opt.step
@@ -67,7 +69,7 @@ def train(args: argparse.Namespace, out: Path) -> None:
     def logged_step() -> None:  # FaultTolerant steps the optimizer only for a committed step
         optimizer_step()
         digest = sha256_of(ddp.module, opt)[:16]  # equal on every replica after every step: no divergence
-        log.write(json.dumps({**current, "t": time.time(), "digest": digest}) + "\n")
+        log.write(json.dumps({**current, "t": time.time(), "digest": digest, "requests": requests[0]}) + "\n")
         log.flush()
 
     opt.step = logged_step
@@ -81,6 +83,21 @@ def train(args: argparse.Namespace, out: Path) -> None:
         ft.step()
         time.sleep(args.sleep)
     write_result(out, args.name, ddp, opt, ft, run.history)
+
+
+def _count_requests(store: object) -> list[int]:
+    """A counter of the etcd requests this (the training) thread sends from now on; [0] on a TCPStore."""
+    counted, real, me = [0], getattr(store, "_call", None), threading.current_thread()
+    if real is None:
+        return counted
+
+    def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if threading.current_thread() is me:
+            counted[0] += 1
+        return real(*args, **kwargs)
+
+    store._call = call
+    return counted
 
 
 if __name__ == "__main__":
