@@ -46,6 +46,8 @@ DESCRIPTIONS = {
     "zero2_overlap": "zero2 with overlap_param_gather=True (the all-gathers overlap the next forward)",
     "zero2_backward": "zero2 with step_in_backward=True (each bucket's shard stepped and all-gathered in backward)",
     "zero2_backward_overlap": "zero2_backward + overlap_param_gather=True (the last gathers overlap the next forward)",
+    "zero2_backward_overlap_4mb": "zero2_backward_overlap on gradsync DDP with bucket_cap_mb=4 (smaller buckets)",
+    "gradsync_ddp_4mb": "gradsync DDP with bucket_cap_mb=4, torch.optim.AdamW",
     "zero1": "gradsync DDP (default arguments) + ShardedOptimizer(AdamW, stage=1)",
     "zero1_view": "gradsync DDP with gradient_as_bucket_view=True + ShardedOptimizer(AdamW, stage=1)",
     "torch_ddp": "torch DDP, default arguments, torch.optim.AdamW",
@@ -95,7 +97,9 @@ def build(name: str, module: nn.Module) -> tuple[nn.Module, TimedOptimizer]:
         return model, TimedOptimizer(zero)
     if name == "fsdp2":
         return fsdp2(module), TimedOptimizer(torch.optim.AdamW(module.parameters(), **adamw))
-    ddp = GradsyncDDP(module, gradient_as_bucket_view=name.endswith("_view"))
+    caps = {"bucket_cap_mb": 4} if name.endswith("_4mb") else {}
+    ddp = GradsyncDDP(module, gradient_as_bucket_view=name.endswith("_view"), **caps)
+    name = name.removesuffix("_4mb")
     if name.startswith("gradsync_ddp"):
         return ddp, TimedOptimizer(torch.optim.AdamW(ddp.parameters(), **adamw))
     stage = 1 if name.startswith("zero1") else 2

@@ -174,7 +174,7 @@ def decide_worker(out: Path, name: str, calls: int) -> None:
         dist.barrier()
         started = time.perf_counter()
         # What FaultTolerant.step() does to decide a step when nothing failed ([Note: commit]).
-        fewest = commit.vote(run.arrivals_seen, lambda work: work.wait(timedelta(seconds=0.1)), abandoned)
+        fewest, _ = commit.vote(run.arrivals_seen, False, lambda work: work.wait(timedelta(seconds=0.1)), abandoned)
         decision = commit.committed(run.store, run.keys, run.arrivals_seen, fewest)
         times.append(time.perf_counter() - started)
         assert decision.commit and generation is run.generation

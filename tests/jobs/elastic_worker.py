@@ -229,8 +229,8 @@ def _die_as_heal_source() -> None:
 def _after_the_vote(phase: str, at_step: int) -> None:
     real = commit.vote
 
-    def vote(arrivals_known, wait, abandoned):  # noqa: ANN001, ANN202
-        fewest = real(arrivals_known, wait, abandoned)
+    def vote(arrivals_known, silent, wait, abandoned):  # noqa: ANN001, ANN202
+        fewest = real(arrivals_known, silent, wait, abandoned)
         ft = _STATE.get("ft")
         if ft is not None and ft.step_count == at_step and ft.generation == 0:
             if phase == "hang-after-vote":

@@ -3,7 +3,7 @@
 [Note: commit]
 After a kill, survivors can disagree on whether the last collective completed (NOTES, exp3:
 1 in 25 random kills). So no rank steps on a reduction's local success alone: once its
-reductions all completed, a member *votes*, one all-reduce of one integer over the
+reductions all completed, a member *votes*, one all-reduce of two integers over the
 generation's group. A vote that completes on a member means every member voted, so every
 member's reductions completed: the step commits. This is the whole cost of a step that
 commits (about what one TCPStore round trip costs; nothing goes through the store, so a
@@ -12,10 +12,13 @@ replicated store adds nothing to a step: its writes are Raft entries a majority 
 A member whose reduction failed does not vote; it *settles* the step through the store
 (settle.py), and so does a member whose vote failed or that saw another member start settling
 (the generation's ``trouble`` key, read by every wait on this generation's collectives): there,
-the standing decision of each step is written once with ``compare_set``. The vote's one integer
-is the number of arrivals (would-be joiners) each member knows of; the fewest is what every
-member admits with this commit, so they all name the same joiners and form the same next
-generation.
+the standing decision of each step is written once with ``compare_set``. The vote carries the
+number of arrivals (would-be joiners) each member knows of: the fewest is what every member
+admits with this commit, so they all name the same joiners and form the same next generation.
+It also says whether any member's heartbeats have gone unanswered by the store: then every
+member, after applying the step, waits for the store at that same point (and raises what it
+says if it stays away), so that none waits for it while the others wait in a collective for
+it (which would time out there).
 """
 
 from __future__ import annotations
@@ -49,14 +52,15 @@ class Decision:
         return cls(**json.loads(value))
 
 
-def vote(arrivals_known: int, wait: Callable[[Any], Any], abandoned: list[Any]) -> int:
-    """This member's vote: the fewest arrivals any member knows of, once every member voted.
+def vote(arrivals_known: int, store_silent: bool, wait: Callable[[Any], Any], abandoned: list[Any]) -> tuple[int, bool]:
+    """This member's vote: (the fewest arrivals any member knows of, whether any member's store went
+    silent), once every member voted.
 
     Raises RuntimeError when the vote cannot complete here (a member died, or started settling:
     ``wait`` gives up then). The work handle of a failed vote goes to ``abandoned``: freeing one
     whose gloo pair saw its peer die can end the process.
     """
-    tally = torch.tensor([arrivals_known], dtype=torch.int64)
+    tally = torch.tensor([arrivals_known, -int(store_silent)], dtype=torch.int64)  # MIN: the fewest, any silent
     work = None
     try:
         work = dist.all_reduce(tally, op=dist.ReduceOp.MIN, async_op=True)
@@ -64,7 +68,7 @@ def vote(arrivals_known: int, wait: Callable[[Any], Any], abandoned: list[Any]) 
     except Exception as error:
         abandoned.append(work)
         raise RuntimeError(f"the commit vote failed: {error}") from error
-    return int(tally.item())
+    return int(tally[0]), bool(tally[1] < 0)
 
 
 def committed(store: dist.Store, keys: Keys, arrivals_seen: int, fewest_known: int) -> Decision:

@@ -39,6 +39,7 @@ and brings seven packages. The gRPC clients (etcd3) are unmaintained since 2020.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import http.client
 import itertools
 import json
@@ -53,7 +54,7 @@ import torch.distributed as dist
 DEFAULT_REQUEST_TIMEOUT_S = 0.5
 _TXN_MAX_OPS = 128  # etcd's default --max-txn-ops
 _RETRIED_CODES = {2, 4, 8, 10, 14}  # gRPC UNKNOWN (dropped proposal), DEADLINE, EXHAUSTED, ABORTED, UNAVAILABLE
-_PROBE_TIMEOUT_S = 1.0  # a member's status, when saying why nothing answered (0.3 s was missed on a loaded box)
+_PROBE_TIMEOUT_S = 2.0  # a member's status, asked in parallel when saying why nothing answered
 _marks = itertools.count(1)
 # Every EtcdStore ever made, kept alive: torch's C++ side (a PrefixStore, a gloo group) holds the
 # C++ half of a Python store but not the Python object, whose methods it calls; were the object
@@ -68,6 +69,20 @@ class EtcdUnavailable(dist.DistStoreError):
 
 class _Unanswered(Exception):
     """One request to one member failed in a way another member (or a later try) may not."""
+
+
+def _status(endpoint: str) -> dict | None:
+    """A member's status on a connection of its own (None: no answer within ``_PROBE_TIMEOUT_S``)."""
+    host, _, port = endpoint.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=_PROBE_TIMEOUT_S)
+    try:
+        connection.request("POST", "/v3/maintenance/status", b"{}", {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        return json.loads(reply.read()) if reply.status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        connection.close()
 
 
 def _b64(data: str | bytes) -> str:
@@ -329,15 +344,10 @@ class EtcdStore(dist.Store):
 
     def _describe(self, failures: dict[str, str], path: str) -> str:
         """Why nothing answered: which members answer their status at all, and whether one leads."""
-        answered, leaders = [], set()
-        for endpoint in self.endpoints:
-            try:
-                status = self._post(endpoint, "/v3/maintenance/status", b"{}", _PROBE_TIMEOUT_S)
-            except (_Unanswered, RuntimeError, ValueError):
-                continue
-            answered.append(endpoint)
-            if status.get("leader") not in (None, "0"):
-                leaders.add(status["leader"])
+        with concurrent.futures.ThreadPoolExecutor(len(self.endpoints)) as pool:
+            statuses = list(pool.map(_status, self.endpoints))
+        answered = [endpoint for endpoint, status in zip(self.endpoints, statuses) if status is not None]
+        leaders = {s["leader"] for s in statuses if s is not None and s.get("leader") not in (None, "0")}
         size, quorum = len(self.endpoints), len(self.endpoints) // 2 + 1
         if not leaders:
             verdict = f"none has a leader: the cluster lost its quorum ({quorum} of {size} members are needed)"

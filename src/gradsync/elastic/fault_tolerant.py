@@ -91,6 +91,7 @@ class FaultTolerant:
         self._step = 0
         self._last_vote: tuple[tuple[int, int], commit.Decision] | None = None  # (generation, step), its commit
         self._store_lost: Exception | None = None  # the store's error, if it stopped answering
+        self._store_silent = False  # the last vote said some member's store went silent
         if self.run.joining:
             self._join()
         else:
@@ -148,10 +149,6 @@ class FaultTolerant:
                 f"FaultTolerant.step() on rank {self.rank} found no reduced gradients: run a synced forward and "
                 "backward through the wrapped model first (not inside no_sync())."
             )
-        if self.run.heartbeat.unanswered(self.run.heartbeat.timeout_s) is not None:
-            # No failure could be settled now: wait for the store here, up to its own timeout, and
-            # raise what it says (a lost quorum, say) rather than train on unprotected.
-            self.run.store.check([self.run.keys.trouble(self.run.generation.number)])
         retried_with_all_alive = False
         while True:
             generation = self.run.generation
@@ -162,6 +159,10 @@ class FaultTolerant:
                 return False
             if decision.commit:
                 self._apply(decision, by_vote)
+                if self._store_silent:
+                    # No failure could be settled now: every member waits for the store here, up to its
+                    # own timeout, and raises what it says (a lost quorum) rather than train on unprotected.
+                    self.run.store.check([self.run.keys.trouble(self.run.generation.number)])
                 return True
             engine.tolerance.drop_step()
             before = set(generation.members)
@@ -184,9 +185,13 @@ class FaultTolerant:
         engine = self.ddp.engine
         run = self.run
         failures = list(engine.tolerance.failures)
+        self._store_silent = False
         if not failures:
             try:
-                fewest = commit.vote(self._arrivals_known(), self._wait_watching, engine.tolerance.abandoned)
+                silent = run.heartbeat.unanswered(run.heartbeat.timeout_s) is not None
+                fewest, self._store_silent = commit.vote(
+                    self._arrivals_known(), silent, self._wait_watching, engine.tolerance.abandoned
+                )
                 return commit.committed(run.store, run.keys, run.arrivals_seen, fewest), True
             except RuntimeError as error:
                 failures.append(str(error))

@@ -14,9 +14,9 @@ it a peer whose count has not moved is given ``grace_s`` (about five beats) to s
 lives before it is taken for dead. A round that fails is skipped; the thread keeps beating.
 
 Steps that commit do not use the store ([Note: commit]), so training goes on while it does not
-answer; ``unanswered`` tells the training thread when that lasted a heartbeat timeout, and the
-training thread then waits for the store itself (a lost etcd quorum, a dead TCPStore is named
-within the store's timeout) rather than train on unprotected.
+answer; ``unanswered`` tells the training thread when that lasted a heartbeat timeout: its vote
+says so, and every member then waits for the store itself (a lost etcd quorum, a dead TCPStore
+is named within the store's timeout) rather than train on unprotected ([Note: commit]).
 The same thread notes the run's arrivals counter (at most twice a second), so that a step's vote
 can name the joiners without a store round trip on the training thread ([Note: commit]).
 """
