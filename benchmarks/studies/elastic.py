@@ -127,7 +127,7 @@ def overhead(names: list[str], rounds: int) -> list[str]:
         lines.append(f"| {row['workload']} | {row['ddp_ms']:.2f} | {row['ft_ms']:.2f} | {r:.3f} [{lo:.3f}, {hi:.3f}] |")
     lines += [
         "",
-        "What the mode adds per step: the commit vote (one all-reduce of one integer over the group; no store "
+        "What the mode adds per step: the commit vote (one all-reduce of two integers over the group; no store "
         "request), the averages "
         "written to `.grad` after the last bucket instead of bucket by bucket, no in-place reduction of a gradient "
         "alone in its bucket, and waits in 0.1 s slices. On this 2-core machine a ratio's interval is several "
