@@ -20,23 +20,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..engine.results import wait_for
 from ..observability.divergence import fingerprint
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import commit, heal, hook_state, membership, settle
 from .run import ElasticRun, current
 from .sharded_state import ShardedState, lost_shards_error
+from .step_decision import StepDecider
 
 logger = logging.getLogger(__name__)
-_SLICE_S = 0.1  # how often a wait for a bucket looks at its peers' heartbeats
-_FIRST_POLL_S, _MAX_POLL_S = 0.0001, 0.002  # polling a comm hook's future
 
 
 class HealMismatch(Exception):
@@ -89,9 +85,7 @@ class FaultTolerant:
         # A sharded optimizer: [Note: a sharded optimizer under the fault-tolerant mode] in sharded_state.py.
         self._sharded: ShardedState | None = optimizer if hasattr(optimizer, "describe_lost_shards") else None
         self._step = 0
-        self._last_vote: tuple[tuple[int, int], commit.Decision] | None = None  # (generation, step), its commit
-        self._store_lost: Exception | None = None  # the store's error, if it stopped answering
-        self._store_silent = False  # the last vote said some member's store went silent
+        self.decider = StepDecider(self.run)  # the vote, settling, and waiting on the group (step_decision.py)
         if self.run.joining:
             self._join()
         else:
@@ -153,16 +147,13 @@ class FaultTolerant:
         while True:
             generation = self.run.generation
             try:
-                decision, by_vote = self._decide(generation)
+                decision, by_vote = self._decide()
             except settle.Revoked as revoked:
                 self._revoked(generation, revoked)
                 return False
             if decision.commit:
                 self._apply(decision, by_vote)
-                if self._store_silent:
-                    # No failure could be settled now: every member waits for the store here, up to its
-                    # own timeout, and raises what it says (a lost quorum) rather than train on unprotected.
-                    self.run.store.check([self.run.keys.trouble(self.run.generation.number)])
+                self.decider.wait_for_a_silent_store()
                 return True
             engine.tolerance.drop_step()
             before = set(generation.members)
@@ -180,35 +171,17 @@ class FaultTolerant:
             engine = self.ddp.engine
             engine.reduce_again()
 
-    def _decide(self, generation: membership.Generation) -> tuple[commit.Decision, bool]:
-        """This step's decision, and whether the vote made it ([Note: commit]; else settled, settle.py)."""
-        engine = self.ddp.engine
-        run = self.run
-        failures = list(engine.tolerance.failures)
-        self._store_silent = False
-        if not failures:
-            try:
-                silent = run.heartbeat.unanswered(run.heartbeat.timeout_s) is not None
-                fewest, self._store_silent = commit.vote(
-                    self._arrivals_known(), silent, self._wait_watching, engine.tolerance.abandoned
-                )
-                return commit.committed(run.store, run.keys, run.arrivals_seen, fewest), True
-            except RuntimeError as error:
-                failures.append(str(error))
-        if self._store_lost is not None:  # a wait gave up on the store: settling would wait for it once more
-            raise self._store_lost
-        voted = self._last_vote  # the previous step's commit, if a vote made it in this generation
-        last = voted[1] if voted is not None and voted[0] == (generation.number, self._step - 1) else None
-        decision = settle.settle(
-            run.store, run.keys, generation, self._step, run.uuid, last, run.arrivals_seen, "; ".join(failures),
-            run.heartbeat, run.timeout_s,
-        )  # fmt: skip
-        if decision.commit and engine.tolerance.failures:
+    def _decide(self) -> tuple[commit.Decision, bool]:
+        """This step's decision, and whether the vote made it (step_decision.py)."""
+        tolerance = self.ddp.engine.tolerance
+        failures = tolerance.failures
+        decision, by_vote = self.decider.decide(self._step, failures, self._arrivals_known(), tolerance.abandoned)
+        if decision.commit and failures:
             raise RuntimeError(
                 f"Rank {self.rank}: step {self._step} was settled as committed although this member's reduction "
                 f"failed ({failures[0]}), so it never voted: a bug in gradsync.elastic's commit protocol."
             )
-        return decision, False
+        return decision, by_vote
 
     def _arrivals_known(self) -> int:
         """What this member votes: the arrivals it knows of (none new with a sharded optimizer, which admits no one)."""
@@ -221,15 +194,11 @@ class FaultTolerant:
         engine.write_deferred()
         engine.tolerance.drop_step()
         self.optimizer.step()
+        self.decider.applied(self._step, decision, by_vote)
         self._step += 1
         run = self.run
         run.arrivals_seen = decision.arrivals_seen
         generation = run.generation
-        self._last_vote = ((generation.number, self._step - 1), decision) if by_vote else None
-        if decision.admit or not by_vote:
-            # Leaving this generation now: a member still settling the step learns it committed.
-            word = settle.Word(self._step, False, asdict(decision))
-            settle.publish(run.store, run.keys, generation.number, run.uuid, word)
         if decision.admit:
             for joiner in decision.admit:
                 run.store.set(run.keys.admitted(joiner), str(generation.number + 1))
@@ -246,7 +215,7 @@ class FaultTolerant:
         entry = {"generation": generation.number, "reason": f"revoked: {revoked}", "revoked": self._step - 1}
         run.history.append(entry)
         self.ddp.engine.tolerance.drop_step()
-        self._last_vote = None
+        self.decider.forget_vote()
         self._rejoin()
 
     # ------------------------------------------------------------------ membership changes
@@ -362,7 +331,7 @@ class FaultTolerant:
         if engine.reduction.hook is not None:
             engine.reduction.state = hook_state.rebind(engine.reduction.state, dist.group.WORLD)
         engine.adopt_layout(layout["order"], layout["caps"], layout["rebuilt"])
-        engine.tolerance.waiter = self._wait_watching
+        engine.tolerance.waiter = self.decider.wait
         if self._sharded is not None:
             self._sharded.follow_engine()  # before the first step only: the ranks are the same
         if isinstance(self.divisor, int):
@@ -416,42 +385,3 @@ class FaultTolerant:
         logger.info("gradsync.elastic: %s", entry)
         if self.on_reconfigure is not None:
             self.on_reconfigure(dist.get_rank(), dist.get_world_size(), self._step)
-
-    # ------------------------------------------------------------------ waiting for buckets
-    def _wait_watching(self, pending: Any) -> Any:
-        """Wait for one bucket (or the vote), giving up as soon as a member stops beating or another settles.
-
-        No completion callback: a Python callback run by gloo's thread on a failed work has been
-        seen to end the process (terminate on gloo::IoException); waiting in slices has not.
-        """
-        if isinstance(pending, dist.Work):
-            while True:
-                try:
-                    pending.wait(timedelta(seconds=_SLICE_S))
-                    return None
-                except RuntimeError as error:
-                    if "timed out" not in str(error).lower():
-                        raise
-                self._check_peers()
-        poll, checked = _FIRST_POLL_S, time.monotonic()
-        while not pending.done():
-            time.sleep(poll)
-            poll = min(2 * poll, _MAX_POLL_S)
-            if time.monotonic() - checked > _SLICE_S:
-                self._check_peers()
-                checked = time.monotonic()
-        return wait_for(pending)
-
-    def _check_peers(self) -> None:
-        generation = self.run.generation
-        gone = self.run.heartbeat.stale() & set(generation.members)
-        if gone:
-            ranks = sorted(generation.rank_of(u) for u in gone)
-            raise RuntimeError(f"rank(s) {ranks} stopped beating; their collectives are abandoned")
-        try:
-            troubled = self.run.store.check([self.run.keys.trouble(generation.number)])
-        except dist.DistStoreError as error:  # it did not answer within its own timeout: fatal (see step())
-            self._store_lost = error
-            raise
-        if troubled:
-            raise RuntimeError("another member is settling this step (a collective or a vote failed there)")
