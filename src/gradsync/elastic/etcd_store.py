@@ -71,20 +71,6 @@ class _Unanswered(Exception):
     """One request to one member failed in a way another member (or a later try) may not."""
 
 
-def _status(endpoint: str) -> dict | None:
-    """A member's status on a connection of its own (None: no answer within ``_PROBE_TIMEOUT_S``)."""
-    host, _, port = endpoint.rpartition(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=_PROBE_TIMEOUT_S)
-    try:
-        connection.request("POST", "/v3/maintenance/status", b"{}", {"Content-Type": "application/json"})
-        reply = connection.getresponse()
-        return json.loads(reply.read()) if reply.status == 200 else None
-    except (OSError, http.client.HTTPException, ValueError):
-        return None
-    finally:
-        connection.close()
-
-
 def _b64(data: str | bytes) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
@@ -342,10 +328,18 @@ class EtcdStore(dist.Store):
             raise _Unanswered(message)
         raise RuntimeError(f"etcd at {endpoint} refused {path}: {message} (code {code})")
 
+    def _status(self, endpoint: str) -> dict | None:
+        """A member's status (None: no answer). Asked from a pool thread: a connection of its own, not
+        the one a failed request left behind."""
+        try:
+            return self._post(endpoint, "/v3/maintenance/status", b"{}", _PROBE_TIMEOUT_S)
+        except (_Unanswered, RuntimeError, ValueError):
+            return None
+
     def _describe(self, failures: dict[str, str], path: str) -> str:
         """Why nothing answered: which members answer their status at all, and whether one leads."""
         with concurrent.futures.ThreadPoolExecutor(len(self.endpoints)) as pool:
-            statuses = list(pool.map(_status, self.endpoints))
+            statuses = list(pool.map(self._status, self.endpoints))
         answered = [endpoint for endpoint, status in zip(self.endpoints, statuses) if status is not None]
         leaders = {s["leader"] for s in statuses if s is not None and s.get("leader") not in (None, "0")}
         size, quorum = len(self.endpoints), len(self.endpoints) // 2 + 1

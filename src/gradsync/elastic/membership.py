@@ -77,7 +77,7 @@ def form(
     decided = keys.members(number)
     while not store.check([decided]):
         waiting = [c for c in candidates if not store.check([keys.present(number, c)])]
-        gone = heartbeat.stale() | {c for c in waiting if store.check([keys.left(c)])}
+        gone = out_of_reach(store, keys, heartbeat, waiting)
         if all(c in gone for c in waiting) or time.monotonic() > deadline:
             present = [c for c in candidates if c not in waiting and store.get(keys.present(number, c)) != _DECLINED]
             proposal = Generation(number, present, step, [h for h in healthy if h in present])
@@ -85,6 +85,11 @@ def form(
             break
         time.sleep(0.02)
     return Generation(**json.loads(store.get(decided)))
+
+
+def out_of_reach(store: dist.Store, keys: Keys, heartbeat: Heartbeat, uuids: list[str]) -> set[str]:
+    """Those of ``uuids`` not to wait for: they stopped beating, or left the run on purpose."""
+    return (heartbeat.stale() & set(uuids)) | {u for u in uuids if store.check([keys.left(u)])}
 
 
 def decline(store: dist.Store, keys: Keys, number: int, me: str) -> None:

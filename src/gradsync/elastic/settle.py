@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .commit import Decision, propose
 from .heartbeat import Heartbeat
 from .keys import Keys
-from .membership import Generation
+from .membership import Generation, out_of_reach
 
 _POLL_S = 0.02
 
@@ -82,7 +82,7 @@ def settle(
     others = [m for m in generation.members if m != me]
     deadline = time.monotonic() + 2 * timeout_s
     while not store.check([key]):
-        gone = heartbeat.stale() | {m for m in others if store.check([keys.left(m)])}
+        gone = out_of_reach(store, keys, heartbeat, others)
         words = {m: _word(store, keys, number, m) for m in others if m not in gone}
         waiting = [m for m, word in words.items() if word is None or word.step < step]
         if waiting and time.monotonic() < deadline:
