@@ -327,12 +327,13 @@ def _bytes_per_step(sharded: bool) -> dict[str, int]:
     )
     train(ddp, optimizer, "mlp", 2)  # past the rebuild
     moved: dict[str, int] = {}
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", "broadcast")}
+    names = ("all_reduce", "all_to_all_single", "broadcast", "isend", "irecv")
+    originals = {name: getattr(dist, name) for name in names}
     gather = sharded_collectives._all_gather
 
     def record(name: str, original, counts):  # noqa: ANN001
         def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003
-            moved[name] = moved.get(name, 0) + counts(*args)
+            moved[name] = moved.get(name, 0) + counts(*args)  # sends run on the exchange's thread: one adds at a time
             return original(*args, **kwargs)
 
         return wrapper
@@ -343,6 +344,8 @@ def _bytes_per_step(sharded: bool) -> dict[str, int]:
         "all_to_all", originals["all_to_all_single"], lambda o, i, *a: int(per_rank_send * i.numel())
     )
     dist.broadcast = record("broadcast", originals["broadcast"], lambda t, *a: t.numel())
+    dist.isend = record("send", originals["isend"], lambda t, *a: t.numel())
+    dist.irecv = record("receive", originals["irecv"], lambda t, *a: t.numel())
     sharded_collectives._all_gather = record("all_gather", gather, lambda o, i, *a: int(per_rank_send * o.numel()))
     try:
         train(ddp, optimizer, "mlp", 1)
@@ -356,9 +359,10 @@ def _bytes_per_step(sharded: bool) -> dict[str, int]:
 def test_a_sharded_step_moves_what_one_all_reduce_moves() -> None:
     ddp = run_distributed(_bytes_per_step, 2, False)[0]
     zero = run_distributed(_bytes_per_step, 2, True)[0]
-    assert set(ddp) == {"all_reduce"} and set(zero) == {"all_to_all", "all_gather"}, (ddp, zero)
-    assert zero["all_to_all"] == zero["all_gather"]  # reduce-scatter, then the same bytes back
-    assert sum(zero.values()) <= 1.05 * ddp["all_reduce"], (zero, ddp)
+    # On gloo the reduce-scatter and the all-gather are point-to-point segments ([Note: exchanges in segments]).
+    assert set(ddp) == {"all_reduce"} and set(zero) == {"send", "receive"}, (ddp, zero)
+    assert zero["send"] == zero["receive"]
+    assert 0.95 * ddp["all_reduce"] <= zero["send"] <= 1.05 * ddp["all_reduce"], (zero, ddp)
 
 
 def _misuse() -> list[str]:

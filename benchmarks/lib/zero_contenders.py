@@ -34,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.lib import link
 from benchmarks.lib.common import TORCH_DDP
 from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync.collectives import sharded as sharded_collectives
 from gradsync.zero import ShardedOptimizer
 
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -48,6 +49,9 @@ DESCRIPTIONS = {
     "zero2_backward_overlap": "zero2_backward + overlap_param_gather=True (the last gathers overlap the next forward)",
     "zero2_backward_overlap_4mb": "zero2_backward_overlap on gradsync DDP with bucket_cap_mb=4 (smaller buckets)",
     "gradsync_ddp_4mb": "gradsync DDP with bucket_cap_mb=4, torch.optim.AdamW",
+    "zero2_whole": "zero2 with its exchanges sent as one message per peer (gloo's all_to_all_single, all-gather)",
+    "zero2_overlap_whole": "zero2_overlap with one message per peer",
+    "zero2_backward_overlap_whole": "zero2_backward_overlap with one message per peer",
     "zero1": "gradsync DDP (default arguments) + ShardedOptimizer(AdamW, stage=1)",
     "zero1_view": "gradsync DDP with gradient_as_bucket_view=True + ShardedOptimizer(AdamW, stage=1)",
     "torch_ddp": "torch DDP, default arguments, torch.optim.AdamW",
@@ -61,14 +65,17 @@ DESCRIPTIONS = {
 class TimedOptimizer:
     """An optimizer whose ``step()`` durations are kept (``zero_grad`` and ``step`` as train_step calls them)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, before: Callable[[], None] | None = None) -> None:
         self.inner = inner
+        self.before = before  # run before each step (the setup's exchange mode)
         self.step_s: list[float] = []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
+        if self.before is not None:
+            self.before()
         start = time.perf_counter()
         self.inner.step()
         self.step_s.append(time.perf_counter() - start)
@@ -99,7 +106,13 @@ def build(name: str, module: nn.Module) -> tuple[nn.Module, TimedOptimizer]:
         return fsdp2(module), TimedOptimizer(torch.optim.AdamW(module.parameters(), **adamw))
     caps = {"bucket_cap_mb": 4} if name.endswith("_4mb") else {}
     ddp = GradsyncDDP(module, gradient_as_bucket_view=name.endswith("_view"), **caps)
-    name = name.removesuffix("_4mb")
+    whole = name.endswith("_whole")
+    name = name.removesuffix("_4mb").removesuffix("_whole")
+
+    def mode(*_: Any) -> None:  # setups run interleaved in one process: each sets the exchange mode it measures
+        sharded_collectives.SEGMENTED = not whole
+
+    ddp.register_forward_pre_hook(mode, prepend=True)
     if name.startswith("gradsync_ddp"):
         return ddp, TimedOptimizer(torch.optim.AdamW(ddp.parameters(), **adamw))
     stage = 1 if name.startswith("zero1") else 2
@@ -111,7 +124,7 @@ def build(name: str, module: nn.Module) -> tuple[nn.Module, TimedOptimizer]:
         step_in_backward=name.startswith("zero2_backward"),
         **adamw,
     )
-    return ddp, TimedOptimizer(sharded)
+    return ddp, TimedOptimizer(sharded, before=mode)
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:

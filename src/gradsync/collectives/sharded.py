@@ -7,7 +7,9 @@ DDP's communication. ``all_to_all_single`` sends chunk ``r`` of a buffer to rank
 ``(N - 1) / N`` of it per rank, as a true reduce-scatter does; each rank then sums the ``N``
 chunks it received itself, in rank order, so the result is deterministic (the same bits whatever
 the bucket layout) and, at two ranks, bitwise the sum an all-reduce gives (``a + b == b + a``).
-Reduce-scatter plus all-gather then move exactly what one all-reduce moves.
+Reduce-scatter plus all-gather then move exactly what one all-reduce moves. On CPU (gloo) both are
+point-to-point exchanges sent in segments ([Note: exchanges in segments] in segmented.py), which
+run at the link's rate in both directions where one message per peer runs at half of it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .segmented import exchanger
+
+# Whether gloo's exchanges go in segments ([Note: exchanges in segments]); False: one message per
+# peer, as gloo's all_to_all_single and all-gather send them (the benchmarks compare both).
+SEGMENTED = True
 
 # torch 2.13 names it all_gather_single; older releases (from 2.4) all_gather_into_tensor.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -82,8 +90,14 @@ def start_reduce_scatter(
         received = receive.narrow(0, 0, sent.numel())
     else:
         received = torch.empty_like(sent)
-    work = dist.all_to_all_single(received, sent, group=group, async_op=True)
-    return PendingReduceScatter(work, sent, received, dist.get_world_size(group))
+    world_size = dist.get_world_size(group)
+    if SEGMENTED and sent.device.type == "cpu":
+        rank = dist.get_rank(group)
+        sends, receives = sent.view(world_size, -1), received.view(world_size, -1)
+        work = exchanger(group).start(list(sends), list(receives), local=(receives[rank], sends[rank]))
+    else:
+        work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+    return PendingReduceScatter(work, sent, received, world_size)
 
 
 class PendingGather:
@@ -108,8 +122,17 @@ def start_all_gather(
     """
     wire = wire_dtype or output.dtype
     if wire == output.dtype and shard.dtype == wire:
-        return _all_gather(output, shard, group=group, async_op=True)
+        return _gather(output, shard, group)
     sent = shard.to(wire)
     received = output if output.dtype == wire else torch.empty(output.shape, dtype=wire, device=output.device)
-    work = _all_gather(received, sent, group=group, async_op=True)
-    return PendingGather(work, output, received, sent)
+    return PendingGather(_gather(received, sent, group), output, received, sent)
+
+
+def _gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Any:
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not SEGMENTED or output.device.type != "cpu" or world_size > 2:  # [Note: exchanges in segments]: gloo's ring there
+        return _all_gather(output, shard, group=group, async_op=True)
+    receives = output.view(world_size, -1)
+    own = receives[rank]
+    local = None if own.data_ptr() == shard.data_ptr() else (own, shard)  # in place: the shard is already there
+    return exchanger(group).start([shard] * world_size, list(receives), local=local)
