@@ -22,6 +22,7 @@ from gradsync.collectives.sharded import start_all_gather, start_reduce_scatter
 from harness import run_distributed
 
 SEGMENT = segmented.SEGMENT_BYTES // 4  # fp32 elements per segment
+ADDED_TO = 0.5  # what an accumulating shard holds before
 
 
 def _input(rank: int, numel: int, salt: int) -> torch.Tensor:
@@ -31,42 +32,46 @@ def _input(rank: int, numel: int, salt: int) -> torch.Tensor:
 def _exchanges(numels: list[int], wire: torch.dtype | None) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     problems = []
-    # Several exchanges started before any is waited for; waited for last first.
+    # Several exchanges started before any is waited for; waited for last first. Each sums into a
+    # separate shard, adding to what it holds (ZeRO-2's accumulation), or into the bucket's own
+    # range (ZeRO-1's in-place shard).
     started = []
     for salt, numel in enumerate(numels):
         padded = _input(rank, numel, salt)
-        started.append((salt, numel, start_reduce_scatter(padded, None, wire), padded))
-    for salt, numel, pending, _ in reversed(started):
-        shard = torch.empty(numel // world)
-        pending.finish(shard)
-        inputs = [_input(r, numel, salt) for r in range(world)]
-        if wire is not None:
-            inputs = [t.to(wire).float() for t in inputs]
-        expected = inputs[0].view(world, -1)[rank].clone()
-        for other in inputs[1:]:  # in rank order: the sum the reduce-scatter promises, bit for bit
-            expected += other.view(world, -1)[rank]
+        separate = torch.full((numel // world,), ADDED_TO)
+        own_range = padded.view(world, -1)[rank]
+        started.append((salt, numel, True, separate, start_reduce_scatter(padded, separate, True, None, wire)))
+        started.append((salt, numel, False, own_range, start_reduce_scatter(padded, own_range, False, None, wire)))
+    for salt, numel, accumulate, shard, pending in reversed(started):
+        pending.finish()
+        what = "accumulated" if accumulate else "in place"
+        expected = _expected_shard(numel, salt, rank, world, wire, accumulate)
         if not torch.equal(shard, expected):
-            problems.append(f"reduce-scatter of {numel} on rank {rank}: max error {(shard - expected).abs().max()}")
+            error = (shard - expected).abs().max()
+            problems.append(f"reduce-scatter ({what}) of {numel} on rank {rank}: max error {error}")
         # All-gather back, in place (the shard is already in its range) and into a fresh output.
         flat = torch.zeros(numel)
         flat.view(world, -1)[rank].copy_(shard)
         start_all_gather(flat, flat.view(world, -1)[rank], None).wait()
         fresh = torch.full((numel,), float("nan"))
         start_all_gather(fresh, shard.clone(), None).wait()
-        whole = torch.cat([_expected_shard(numel, salt, r, world, wire) for r in range(world)])
+        whole = torch.cat([_expected_shard(numel, salt, r, world, wire, accumulate) for r in range(world)])
         for name, got in (("in place", flat), ("fresh", fresh)):
             if not torch.equal(got, whole):
-                problems.append(f"all-gather ({name}) of {numel} on rank {rank} differs")
+                problems.append(f"all-gather ({name}) of the {what} {numel} on rank {rank} differs")
     return problems
 
 
-def _expected_shard(numel: int, salt: int, owner: int, world: int, wire: torch.dtype | None) -> torch.Tensor:
-    inputs = [_input(r, numel, salt) for r in range(world)]
-    if wire is not None:
-        inputs = [t.to(wire).float() for t in inputs]
-    total = inputs[0].view(world, -1)[owner].clone()
-    for other in inputs[1:]:
-        total += other.view(world, -1)[owner]
+def _expected_shard(
+    numel: int, salt: int, owner: int, world: int, wire: torch.dtype | None, accumulate: bool
+) -> torch.Tensor:
+    """The sum the reduce-scatter promises, bit for bit: every rank's chunk as sent (rounded to the
+    wire's dtype), added in rank order in fp32 (to ``ADDED_TO`` when it accumulates)."""
+    chunks = [_input(r, numel, salt).view(world, -1)[owner] for r in range(world)]
+    chunks = [t if wire is None else t.to(wire) for t in chunks]
+    total = torch.full((numel // world,), ADDED_TO) if accumulate else chunks.pop(0).float().clone()
+    for chunk in chunks:
+        total.add_(chunk)
     return total
 
 
@@ -86,7 +91,7 @@ def _peer_dies() -> tuple[str, float]:
         time.sleep(0.5)  # the survivor's exchange is under way, waiting for this rank's segments
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
-    pending = start_reduce_scatter(torch.ones(2 * 4 * SEGMENT), None)
+    pending = start_reduce_scatter(torch.ones(2 * 4 * SEGMENT), torch.empty(4 * SEGMENT), False, None)
     with pytest.raises(RuntimeError) as error:
         pending.wait()
     return str(error.value), time.monotonic() - start

@@ -17,6 +17,7 @@ from torch import nn
 
 import gradsync.collectives.sharded as sharded_collectives
 from gradsync import DistributedDataParallel as DDP
+from gradsync.collectives.segmented import Exchange
 from gradsync.zero import ShardedOptimizer
 
 from harness import run_distributed
@@ -185,7 +186,10 @@ def _gradient_held(stage: int) -> dict:
         # Drained reduce-scatters hold neither buffers nor their work handle (which holds the buffers).
         in_flight = {id(pending) for _, pending, _ in ddp.engine.reduction._in_flight}
         drained = [p for p in ddp.engine.current.launched if p is not None and id(p) not in in_flight]
-        held = sum(p.received.numel() + isinstance(p.work, dist.Work) for p in drained)
+        held = sum(
+            p.sent.numel() + p.shard.numel() + (p.received is not None) + isinstance(p.work, (dist.Work, Exchange))
+            for p in drained
+        )
         peak["buckets"], peak["grads"] = max(peak["buckets"], allocated), max(peak["grads"], grads)
         peak["held_by_drained"] = max(peak.get("held_by_drained", 0), held)
 

@@ -24,6 +24,7 @@ step's chunk to one neighbour, measured faster in training than this exchange wi
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import weakref
@@ -58,7 +59,7 @@ class Exchange:
 
     is_completed = done
 
-    def _finish(self, error: BaseException | None, keep: list[Any]) -> None:
+    def _finish(self, error: BaseException | None, keep: list[Any] | None) -> None:
         self._error = error
         if error is None:
             self._tensors = ()
@@ -67,18 +68,125 @@ class Exchange:
         self._done.set()
 
 
+def fold(pieces: Sequence[torch.Tensor], target: torch.Tensor, accumulate: bool) -> None:
+    """``target`` becomes (``accumulate``: gets added) ``pieces[0] + pieces[1] + ...``, left to right.
+
+    Every rank's chunk in rank order: the same bits whatever the bucket layout or the segments."""
+    if accumulate:
+        target.add_(pieces[0])
+    else:
+        target.copy_(pieces[0])
+    for piece in pieces[1:]:
+        target.add_(piece)
+
+
 class _Job:
-    """One exchange: to ``send_to[i]`` goes ``sends[i]``, from ``receive_from[i]`` comes ``receives[i]``."""
+    """One exchange of equally long 1-D tensors, ``sends[i]`` to ``send_to[i]`` while ``receive_from[i]``'s
+    segments arrive (in ``receives[i]``, or summed on arrival by ``_ReduceScatter``)."""
 
-    __slots__ = ("group", "send_to", "sends", "receive_from", "receives", "local", "exchange")
+    def __init__(self, group: Any, send_to: list[int], sends: list[Any], receive_from: list[int], length: int) -> None:
+        self.group, self.send_to, self.sends, self.receive_from = group, send_to, sends, receive_from
+        self.length = length
+        self.exchange = Exchange((sends,))
 
-    def __init__(
-        self, group: Any, send_to: list[int], sends: list[Any], receive_from: list[int], receives: list[Any], local: Any
-    ) -> None:
-        self.group, self.local = group, local
-        self.send_to, self.sends = send_to, sends
-        self.receive_from, self.receives = receive_from, receives
+    def run(self, handles: list[Any]) -> None:
+        if not self.sends:
+            return
+        step = max(1, SEGMENT_BYTES // self.sends[0].element_size())
+        in_flight: collections.deque[tuple[int, int, int, list[Any]]] = collections.deque()
+        for k, start in enumerate(range(0, self.length, step)):
+            stop = min(self.length, start + step)
+            works = [dist.isend(t[start:stop], dst, group=self.group) for t, dst in zip(self.sends, self.send_to)]
+            works += [
+                dist.irecv(self.receive_into(i, k, start, stop), src, group=self.group)
+                for i, src in enumerate(self.receive_from)
+            ]
+            handles.extend(works)
+            in_flight.append((k, start, stop, works))
+            if len(in_flight) > WINDOW:
+                self.arrived(*in_flight.popleft())
+        while in_flight:
+            self.arrived(*in_flight.popleft())
+
+    def receive_into(self, i: int, k: int, start: int, stop: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def arrived(self, k: int, start: int, stop: int, works: list[Any]) -> None:
+        for work in works:
+            work.wait()
+
+
+class _Gather(_Job):
+    """Every peer's segments land in place, in ``receives[i]``."""
+
+    def __init__(self, group: Any, send_to: list[int], sends: list[Any], receive_from: list[int],
+                 receives: list[Any], local: tuple[torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
+        super().__init__(group, send_to, sends, receive_from, sends[0].numel() if sends else 0)
+        self.receives, self.local = receives, local
         self.exchange = Exchange((sends, receives, local))
+
+    def run(self, handles: list[Any]) -> None:
+        if self.local is not None:
+            self.local[0].copy_(self.local[1])
+        super().run(handles)
+
+    def receive_into(self, i: int, k: int, start: int, stop: int) -> torch.Tensor:
+        return self.receives[i][start:stop]
+
+
+class _ReduceScatter(_Job):
+    """[Note: a reduce-scatter summed as it arrives]
+    Each peer's segment lands in a small ring of ``WINDOW + 1`` slots (a slot is reused once the
+    segment in it was summed: at most ``WINDOW`` are in flight), and as soon as every peer's
+    segment ``k`` arrived, ``fold`` sums the ``N`` pieces of it into ``target`` in rank order. So no
+    receive buffer as large as the bucket exists (ZeRO-2 holds one bucket less, ZeRO-1's memory
+    is its formula's), and the sum runs on this thread while backward goes on.
+    """
+
+    def __init__(self, group: Any, send_to: list[int], chunks: list[torch.Tensor], rank: int, receive_from: list[int],
+                 target: torch.Tensor, accumulate: bool, scratch: dict[Any, torch.Tensor]) -> None:  # fmt: skip
+        ordered = [chunks[(rank + i) % len(chunks)] for i in range(1, len(chunks))]
+        super().__init__(group, send_to, ordered, receive_from, target.numel())
+        self.chunks, self.rank, self.target, self.accumulate = chunks, rank, target, accumulate
+        self.exchange = Exchange((chunks, target))
+        self.step = max(1, SEGMENT_BYTES // chunks[0].element_size())
+        self.scratch = scratch  # the exchanger's, reused: its jobs run one after the other
+        self.slots: list[torch.Tensor] = []
+        self.own: torch.Tensor | None = None  # this rank's segment, when it is also where the sum goes (ZeRO-1)
+
+    def run(self, handles: list[Any]) -> None:
+        n, dtype = len(self.chunks), self.chunks[0].dtype
+        if n == 1:
+            fold(self.chunks, self.target, self.accumulate)
+            return
+        key = (dtype, self.target.device, n)
+        rows = self.scratch.get(key)
+        if rows is None:  # per peer a ring of segments, and a row for this rank's own
+            rows = self.scratch[key] = torch.empty(n, (WINDOW + 1) * self.step, dtype=dtype, device=self.target.device)
+        self.slots = list(rows[: n - 1])
+        if self.chunks[self.rank].data_ptr() == self.target.data_ptr():
+            self.own = rows[n - 1]
+        try:
+            super().run(handles)
+        except BaseException:
+            self.scratch.pop(key, None)  # segments of the failed exchange may still arrive in it
+            raise
+
+    def receive_into(self, i: int, k: int, start: int, stop: int) -> torch.Tensor:
+        at = (k % (WINDOW + 1)) * self.step
+        return self.slots[i].narrow(0, at, stop - start)
+
+    def arrived(self, k: int, start: int, stop: int, works: list[Any]) -> None:
+        super().arrived(k, start, stop, works)
+        n, size = len(self.chunks), stop - start
+        pieces: list[torch.Tensor] = []
+        for j in range(n):  # rank order: the peer j ranks before this one is receive_from[j - 1] counted back
+            if j == self.rank:
+                own = self.chunks[j][start:stop]
+                pieces.append(own if self.own is None else self.own[:size].copy_(own))
+            else:
+                pieces.append(self.receive_into((self.rank - j) % n - 1, k, start, stop))
+        fold(pieces, self.target[start:stop], self.accumulate)
 
 
 class Exchanger:
@@ -90,6 +198,7 @@ class Exchanger:
         self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         self._group = weakref.ref(group)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._scratch: dict[Any, torch.Tensor] = {}  # where reduce-scatters receive, reused (only its thread uses it)
         thread = threading.Thread(target=_run, args=(self._jobs,), name="gradsync-exchange", daemon=True)
         thread.start()
         weakref.finalize(group, self._jobs.put, None)  # the group is gone: so is its thread
@@ -112,7 +221,7 @@ class Exchanger:
         n, r = self.world_size, self.rank
         send_to = [(r + i) % n for i in range(1, n)]
         receive_from = [(r - i) % n for i in range(1, n)]
-        job = _Job(
+        job = _Gather(
             group,
             [self._global[j] for j in send_to],
             [sends[j] for j in send_to],
@@ -123,42 +232,33 @@ class Exchanger:
         self._jobs.put(job)
         return job.exchange
 
+    def reduce_scatter(self, chunks: Sequence[torch.Tensor], target: torch.Tensor, accumulate: bool) -> Exchange:
+        """Send ``chunks[j]`` to group rank ``j``; ``target`` becomes (``accumulate``: gets added) the sum of
+        every rank's chunk for this rank, in rank order ([Note: a reduce-scatter summed as it arrives])."""
+        group = self._group()
+        if group is None:
+            raise RuntimeError("An exchange was started on a process group that no longer exists.")
+        n, r = self.world_size, self.rank
+        send_to = [self._global[(r + i) % n] for i in range(1, n)]
+        receive_from = [self._global[(r - i) % n] for i in range(1, n)]
+        job = _ReduceScatter(group, send_to, list(chunks), r, receive_from, target, accumulate, self._scratch)
+        self._jobs.put(job)
+        return job.exchange
+
 
 def _run(jobs: queue.SimpleQueue[_Job | None]) -> None:
     while (job := jobs.get()) is not None:
         handles: list[Any] = []
+        error: BaseException | None = None
         try:
-            _exchange(job, handles)
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the exchange
-            job.exchange._finish(error, handles)
-        else:
-            job.exchange._finish(None, handles)
+            job.run(handles)
+        except BaseException as failure:  # noqa: BLE001 - handed to whoever waits for the exchange
+            error = failure
+        exchange, kept = job.exchange, (handles if error is not None else None)
+        # Let go of the job's tensors before the waiter wakes: a bucket it frees must not stay alive here.
         del job, handles
-
-
-def _exchange(job: _Job, handles: list[Any]) -> None:
-    if job.local is not None:
-        job.local[0].copy_(job.local[1])
-    peers = len(job.sends)
-    if peers == 0:
-        return
-    length = job.sends[0].numel()
-    step = max(1, SEGMENT_BYTES // job.sends[0].element_size())
-    in_flight: list[list[Any]] = []
-    for start in range(0, length, step):
-        stop = min(length, start + step)
-        segment = []
-        for i in range(peers):
-            segment.append(dist.isend(job.sends[i][start:stop], job.send_to[i], group=job.group))
-            segment.append(dist.irecv(job.receives[i][start:stop], job.receive_from[i], group=job.group))
-        handles.extend(segment)
-        in_flight.append(segment)
-        if len(in_flight) > WINDOW:
-            for work in in_flight.pop(0):
-                work.wait()
-    for segment in in_flight:
-        for work in segment:
-            work.wait()
+        exchange._finish(error, kept)
+        del exchange, kept, error
 
 
 _EXCHANGERS: weakref.WeakKeyDictionary[Any, Exchanger] = weakref.WeakKeyDictionary()

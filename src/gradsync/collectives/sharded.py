@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .segmented import exchanger
+from .segmented import exchanger, fold
 
 # Whether gloo's exchanges go in segments ([Note: exchanges in segments]); False: one message per
 # peer, as gloo's all_to_all_single and all-gather send them (the benchmarks compare both).
@@ -43,61 +43,65 @@ _DONE = _Done()
 
 
 class PendingReduceScatter:
-    """An ``all_to_all_single`` in flight; ``finish`` sums what arrived into this rank's shard."""
+    """A reduce-scatter in flight into ``shard``; ``finish`` waits for it.
 
-    __slots__ = ("work", "sent", "received", "world_size", "failed")
+    On CPU the exchange's thread sums each segment into ``shard`` as it arrives
+    ([Note: a reduce-scatter summed as it arrives] in segmented.py); elsewhere ``finish`` sums what
+    ``all_to_all_single`` received.
+    """
 
-    def __init__(self, work: Any, sent: torch.Tensor, received: torch.Tensor, world_size: int) -> None:
+    __slots__ = ("work", "sent", "received", "shard", "accumulate", "world_size", "failed")
+
+    def __init__(self, work: Any, sent: torch.Tensor, received: torch.Tensor | None, shard: torch.Tensor,
+                 accumulate: bool, world_size: int) -> None:  # fmt: skip
         self.work = work
         self.sent = sent  # a cast copy must live until the send completed
-        self.received = received
+        self.received = received  # None: summed on arrival
+        self.shard, self.accumulate = shard, accumulate
         self.world_size = world_size
-        self.failed = False  # finish raised: nothing of it reached the shard
+        self.failed = False  # finish raised: what reached the shard is not to be used
 
     def wait(self) -> None:
         self.work.wait()
 
-    def finish(self, shard: torch.Tensor, accumulate: bool = False) -> None:
-        """``shard`` (or ``shard +``, with ``accumulate``) the sum of every rank's chunk, in rank order.
+    def finish(self) -> None:
+        """Wait until ``shard`` holds (or, with ``accumulate``, has added) the sum of every rank's chunk, in rank order.
 
         The sum is in ``shard``'s dtype: chunks sent in a low precision add up in the gradients' own.
         """
         self.work.wait()
-        chunks = self.received.view(self.world_size, -1)
-        if accumulate:
-            shard.add_(chunks[0])
-        else:
-            shard.copy_(chunks[0])
-        for chunk in chunks[1:]:
-            shard.add_(chunk)
+        if self.received is not None:
+            fold(list(self.received.view(self.world_size, -1)), self.shard, self.accumulate)
         # Let the buffers go now: the work handle holds its tensors too, so it goes as well.
-        self.received = self.sent = torch.empty(0, dtype=chunks.dtype)
+        self.received = None
+        self.sent = self.shard = torch.empty(0, dtype=self.sent.dtype)
         self.work = _DONE
 
 
 def start_reduce_scatter(
     padded: torch.Tensor,
+    shard: torch.Tensor,
+    accumulate: bool,
     group: dist.ProcessGroup,
     wire_dtype: torch.dtype | None = None,
     receive: torch.Tensor | None = None,
 ) -> PendingReduceScatter:
-    """Start reducing ``padded`` (its length a multiple of the group's size) over ``group``, sent in ``wire_dtype``.
+    """Start reducing ``padded`` (its length a multiple of the group's size) over ``group`` into ``shard``
+    (``accumulate``: adding to what it holds), sent in ``wire_dtype``.
 
-    ``receive``: a buffer of the wire's dtype at least as long as ``padded`` to receive in (reused), or
-    None for a fresh one."""
+    ``receive``: off CPU, a buffer of the wire's dtype at least as long as ``padded`` to receive in
+    (reused), or None for a fresh one. On CPU nothing is received whole."""
     sent = padded if wire_dtype is None or wire_dtype == padded.dtype else padded.to(wire_dtype)
+    world_size = dist.get_world_size(group)
+    if SEGMENTED and sent.device.type == "cpu":
+        work = exchanger(group).reduce_scatter(list(sent.view(world_size, -1)), shard, accumulate)
+        return PendingReduceScatter(work, sent, None, shard, accumulate, world_size)
     if receive is not None and receive.dtype == sent.dtype and receive.numel() >= sent.numel():
         received = receive.narrow(0, 0, sent.numel())
     else:
         received = torch.empty_like(sent)
-    world_size = dist.get_world_size(group)
-    if SEGMENTED and sent.device.type == "cpu":
-        rank = dist.get_rank(group)
-        sends, receives = sent.view(world_size, -1), received.view(world_size, -1)
-        work = exchanger(group).start(list(sends), list(receives), local=(receives[rank], sends[rank]))
-    else:
-        work = dist.all_to_all_single(received, sent, group=group, async_op=True)
-    return PendingReduceScatter(work, sent, received, world_size)
+    work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+    return PendingReduceScatter(work, sent, received, shard, accumulate, world_size)
 
 
 class PendingGather:

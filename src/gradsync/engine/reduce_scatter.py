@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives import sharded as sharded_collectives
 from ..collectives.sharded import PendingReduceScatter, start_all_gather, start_reduce_scatter
 from ..observability.timing import IterationTimes, now
 from .bucket_set import BucketSet
@@ -44,14 +45,14 @@ from .storage import BucketStorage
 from .tolerance import DeferredStep, Tolerance
 
 # Buckets sent and not yet drained when the next launches, by default: [Note: buckets released as
-# they drain]. ZeRO-2's buckets then share one send and one receive buffer.
+# they drain]. ZeRO-2's buckets then share one send buffer.
 IN_FLIGHT = 1
 
 
 class ReduceScatter(Reduction):
     def __init__(self, group: dist.ProcessGroup, keep_full: bool, in_flight: int = IN_FLIGHT) -> None:
         """``in_flight``: how many buckets may be on the wire, undrained, when the next one launches;
-        each one more costs a send and a receive buffer ([Note: buckets released as they drain])."""
+        each one more costs a send buffer ([Note: buckets released as they drain])."""
         self.group = group
         self.in_flight = in_flight
         self.world_size = dist.get_world_size(group)
@@ -76,8 +77,11 @@ class ReduceScatter(Reduction):
         self._done_at: dict[int, float] = {}  # drained buckets of this pass: when
         self._first_of_pass: bool | None = None  # whether this pass is the first since the shards were consumed
         self._storages: list[BucketStorage] = []
-        # Per dtype and device, ``in_flight`` receive buffers: bucket b uses number b % in_flight.
+        # Off CPU, per dtype and device, ``in_flight`` receive buffers (bucket b uses number b % in_flight),
+        # made on first use; on CPU the chunks are summed as they arrive ([Note: a reduce-scatter summed
+        # as it arrives] in collectives/segmented.py).
         self._receive: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._largest: dict[tuple[torch.dtype, torch.device], int] = {}
         self._buffers_suspect = False  # a collective failed: the shared buffers are replaced before reuse
 
     def compress(self, hook: Any, state: Any, name: str, wire_dtype: torch.dtype | None) -> None:
@@ -131,8 +135,8 @@ class ReduceScatter(Reduction):
         self._first_of_pass = None
 
     def _share_buffers(self) -> None:
-        """``in_flight`` receive buffers (and, for ZeRO-2, send buffers), as large as the largest bucket,
-        bucket b using number b % in_flight.
+        """For ZeRO-2, ``in_flight`` send buffers as large as the largest bucket, bucket b using number
+        b % in_flight (the buckets' flat storage); off CPU as many receive buffers, made on first use.
 
         [Note: buckets released as they drain] says why that many are enough. Reused, they cost
         no allocation per bucket and step: fresh buffers each time made the allocator hand out new
@@ -148,11 +152,18 @@ class ReduceScatter(Reduction):
             send = {key: [torch.zeros(n, dtype=key[0], device=key[1]) for _ in slots] for key, n in largest.items()}
             for b, storage in enumerate(self._storages):
                 storage.share(send[(storage.flat.dtype, storage.flat.device)][b % self.in_flight])
-        self._receive = {
-            key: [torch.empty(n, dtype=self.wire_dtype or key[0], device=key[1]) for _ in slots]
-            for key, n in largest.items()
-        }
+        self._largest, self._receive = largest, {}
         self._buffers_suspect = False
+
+    def _receive_buffer(self, storage: BucketStorage, b: int) -> torch.Tensor | None:
+        """Where ``all_to_all_single`` receives bucket ``b`` (None: on CPU nothing is received whole)."""
+        key = (storage.flat.dtype, storage.flat.device)
+        if sharded_collectives.SEGMENTED and key[1].type == "cpu":
+            return None
+        if key not in self._receive:
+            n, dtype = self._largest[key], self.wire_dtype or key[0]
+            self._receive[key] = [torch.empty(n, dtype=dtype, device=key[1]) for _ in range(self.in_flight)]
+        return self._receive[key][b % self.in_flight]
 
     def before_rebuild(self) -> None:
         if self.views:
@@ -169,7 +180,7 @@ class ReduceScatter(Reduction):
                 self._share_buffers()
             if not self.keep_full:
                 storage.zero_padding()  # the shared buffer's tail holds what a larger bucket left
-            receive = self._receive[(storage.flat.dtype, storage.flat.device)][b % self.in_flight]
+            receive = self._receive_buffer(storage, b)
             context.buckets.gather_grads(b, as_view, context.unused, context.names, context.take_divisor())
         except (RuntimeError, ValueError) as error:
             return Started(None, [*errors, f"{error} ({context.where})"])
@@ -177,7 +188,10 @@ class ReduceScatter(Reduction):
             for param in storage.params:
                 param.grad = None  # ZeRO-2 keeps no full gradient: the bucket holds it until it is sent
         try:
-            pending = start_reduce_scatter(storage.flat, self.group, self.wire_dtype, receive)
+            accumulate = self.filled[b] and not self.keep_full  # ZeRO-1 accumulates in .grad, as DDP does
+            pending = start_reduce_scatter(
+                storage.flat, self.grad_shards[b], accumulate, self.group, self.wire_dtype, receive
+            )
         except RuntimeError as error:  # a dead peer can fail the launch itself
             self._buffers_suspect = True
             return Started(None, [*errors, f"reduce-scatter failed on bucket {b}: {error}"])
@@ -185,28 +199,28 @@ class ReduceScatter(Reduction):
         return Started(pending, errors)
 
     def _drain(self, keep: int) -> list[str | Exception]:
-        """Sum what arrived into the shards, oldest first, until at most ``keep`` buckets are in flight.
+        """Finish the buckets sent, oldest first, until at most ``keep`` are in flight.
 
         [Note: buckets released as they drain]
         ZeRO-2 needs a bucket's full gradient only from its launch until its reduce-scatter
         completed; ``.grad`` is dropped at the launch. A bucket drains at the next launch after it
         completed, and at the latest when it is the ``in_flight``-th one before the bucket
         launching. With ``in_flight == 1`` (the default) every bucket has drained before the next one
-        is gathered, so all of them share one send buffer and one receive buffer (``_share_buffers``):
-        the gradient held at any time is the bucket filling (autograd's ``.grad``) plus those two
-        buffers, instead of all of it. Each bucket more in flight costs one more of each, and lets
+        is gathered, so all of them share one send buffer (``_share_buffers``; on CPU nothing is
+        received whole: [Note: a reduce-scatter summed as it arrives] in collectives/segmented.py):
+        the gradient held at any time is the bucket filling (autograd's ``.grad``) plus that buffer,
+        instead of all of it. Each bucket more in flight costs one more, and lets
         backward go on computing while the bucket before is still on the wire instead of waiting
         for it (``step_in_backward`` takes 2: its all-gathers share the link with the reduce-scatters).
-        Draining is a local sum: when it happens does not change which collectives a rank issues on
-        this group, or their order (a listener's all-gathers go over a group of their own). ZeRO-1
-        keeps its buckets (they are ``.grad``) and drains only the receive buffers.
+        Draining is local: when it happens does not change which collectives a rank issues on this
+        group, or their order (a listener's all-gathers go over a group of their own). ZeRO-1 keeps
+        its buckets (they are ``.grad``).
         """
         errors: list[str | Exception] = []
         while self._in_flight and (len(self._in_flight) > keep or self._in_flight[0][1].work.is_completed()):
             b, pending, storage = self._in_flight.pop(0)
             try:
-                # ZeRO-1 accumulates in .grad, as DDP does; ZeRO-2 has no .grad to accumulate in.
-                pending.finish(self.grad_shards[b], accumulate=self.filled[b] and not self.keep_full)
+                pending.finish()
             except Exception as error:  # noqa: BLE001 - reported with the bucket named
                 errors.append(f"reduce-scatter failed on bucket {b}: {error}")
                 pending.failed = True
@@ -219,7 +233,10 @@ class ReduceScatter(Reduction):
         return errors
 
     def start_zeros(self, buckets: BucketSet, b: int) -> Any:
-        return start_reduce_scatter(buckets.zeros_like_bucket(b), self.group, self.wire_dtype)
+        accumulate = self.filled[b] and not self.keep_full
+        return start_reduce_scatter(
+            buckets.zeros_like_bucket(b), self.grad_shards[b], accumulate, self.group, self.wire_dtype
+        )
 
     def finish_shadow(self, buckets: BucketSet, pending: list[Any], globally_used: list[bool] | None) -> None:
         """A joined rank still owns its range of every bucket: it keeps the others' average there.
@@ -232,7 +249,7 @@ class ReduceScatter(Reduction):
         self._note_used(globally_used, first=not any(self.filled))
         gathers = []
         for b, work in enumerate(pending):
-            work.finish(self.grad_shards[b], accumulate=self.filled[b] and not self.keep_full)
+            work.finish()
             self.filled[b] = True
             if self.keep_full:
                 scratch = torch.empty(buckets.storages[b].flat.shape, dtype=self.grad_shards[b].dtype)
