@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -92,6 +93,8 @@ def _peer_dies() -> tuple[str, float]:
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     pending = start_reduce_scatter(torch.ones(2 * 4 * SEGMENT), torch.empty(4 * SEGMENT), False, None)
+    with pytest.raises(RuntimeError, match="Timed out"):  # a bounded wait says so while the peer is silent
+        pending.work.wait(timedelta(seconds=0.1))
     with pytest.raises(RuntimeError) as error:
         pending.wait()
     return str(error.value), time.monotonic() - start

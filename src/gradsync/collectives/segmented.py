@@ -29,6 +29,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -48,8 +49,11 @@ class Exchange:
         self._error: BaseException | None = None
         self._tensors: tuple[Any, ...] = tensors  # alive until every segment was sent and received
 
-    def wait(self, timeout: Any = None) -> bool:
-        self._done.wait()
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Until every segment arrived (each segment's wait is bounded by the group's timeout), or for
+        ``timeout`` at most: then a ``RuntimeError`` saying it timed out, as a work handle's would."""
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError(f"Timed out after {timeout} waiting for a gradsync exchange to complete.")
         if self._error is not None:
             raise self._error
         return True
