@@ -9,6 +9,8 @@ Run from the repository root (wait until the machine is otherwise idle for ``spe
     python -m benchmarks zero speed --link 1gbit --per-rank-links --world-sizes 2 4 --iters 3   # ~4.5 min
     python -m benchmarks zero speed --workload large_grad --setups gradsync_ddp zero2 zero2_overlap zero1 \
         torch_zero no_comm --rounds 8 --iters 3               # ~2.5 min, plain loopback
+    python -m benchmarks zero speed --link 1gbit --per-rank-links --iters 3 --setups gradsync_ddp zero2 \
+        zero2_whole zero2_overlap zero2_overlap_whole         # gloo's exchanges in segments vs one message per peer
 
 (exactly ``OMP_NUM_THREADS=1 python -m benchmarks.studies.zero PART ...``). A launcher, like the
 scaling study: it starts its ranks itself, under ``torchrun --nproc-per-node W`` (inside a shaped
