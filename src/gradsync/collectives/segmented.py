@@ -163,7 +163,7 @@ class _ReduceScatter(_Job):
         if n == 1:
             fold(self.chunks, self.target, self.accumulate)
             return
-        key = (dtype, self.target.device, n)
+        key = (dtype, self.target.device, n, self.step)
         rows = self.scratch.get(key)
         if rows is None:  # per peer a ring of segments, and a row for this rank's own
             rows = self.scratch[key] = torch.empty(n, (WINDOW + 1) * self.step, dtype=dtype, device=self.target.device)
