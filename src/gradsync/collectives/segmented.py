@@ -30,7 +30,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -88,18 +88,18 @@ class _Job:
     """One exchange of equally long 1-D tensors, ``sends[i]`` to ``send_to[i]`` while ``receive_from[i]``'s
     segments arrive (in ``receives[i]``, or summed on arrival by ``_ReduceScatter``)."""
 
-    def __init__(self, group: Any, send_to: list[int], sends: list[Any], receive_from: list[int], length: int) -> None:
-        self.group, self.send_to, self.sends, self.receive_from = group, send_to, sends, receive_from
-        self.length = length
-        self.exchange = Exchange((sends,))
+    def __init__(self, group: Any, peers: _Peers, sends: list[Any], length: int, keep: tuple[Any, ...]) -> None:
+        self.group, self.send_to, self.receive_from = group, peers.send_to, peers.receive_from
+        self.sends, self.length = sends, length
+        self.step = max(1, SEGMENT_BYTES // sends[0].element_size()) if sends else 1  # elements per segment
+        self.exchange = Exchange(keep)
 
     def run(self, handles: list[Any]) -> None:
         if not self.sends:
             return
-        step = max(1, SEGMENT_BYTES // self.sends[0].element_size())
         in_flight: collections.deque[tuple[int, int, int, list[Any]]] = collections.deque()
-        for k, start in enumerate(range(0, self.length, step)):
-            stop = min(self.length, start + step)
+        for k, start in enumerate(range(0, self.length, self.step)):
+            stop = min(self.length, start + self.step)
             works = [dist.isend(t[start:stop], dst, group=self.group) for t, dst in zip(self.sends, self.send_to)]
             works += [
                 dist.irecv(self.receive_into(i, k, start, stop), src, group=self.group)
@@ -123,11 +123,10 @@ class _Job:
 class _Gather(_Job):
     """Every peer's segments land in place, in ``receives[i]``."""
 
-    def __init__(self, group: Any, send_to: list[int], sends: list[Any], receive_from: list[int],
-                 receives: list[Any], local: tuple[torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
-        super().__init__(group, send_to, sends, receive_from, sends[0].numel() if sends else 0)
+    def __init__(self, group: Any, peers: _Peers, sends: list[Any], receives: list[Any],
+                 local: tuple[torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
+        super().__init__(group, peers, sends, sends[0].numel() if sends else 0, (sends, receives, local))
         self.receives, self.local = receives, local
-        self.exchange = Exchange((sends, receives, local))
 
     def run(self, handles: list[Any]) -> None:
         if self.local is not None:
@@ -147,13 +146,10 @@ class _ReduceScatter(_Job):
     is its formula's), and the sum runs on this thread while backward goes on.
     """
 
-    def __init__(self, group: Any, send_to: list[int], chunks: list[torch.Tensor], rank: int, receive_from: list[int],
-                 target: torch.Tensor, accumulate: bool, scratch: dict[Any, torch.Tensor]) -> None:  # fmt: skip
-        ordered = [chunks[(rank + i) % len(chunks)] for i in range(1, len(chunks))]
-        super().__init__(group, send_to, ordered, receive_from, target.numel())
+    def __init__(self, group: Any, peers: _Peers, chunks: list[torch.Tensor], rank: int, target: torch.Tensor,
+                 accumulate: bool, scratch: dict[Any, torch.Tensor]) -> None:  # fmt: skip
+        super().__init__(group, peers, [chunks[j] for j in peers.send_order], target.numel(), (chunks, target))
         self.chunks, self.rank, self.target, self.accumulate = chunks, rank, target, accumulate
-        self.exchange = Exchange((chunks, target))
-        self.step = max(1, SEGMENT_BYTES // chunks[0].element_size())
         self.scratch = scratch  # the exchanger's, reused: its jobs run one after the other
         self.slots: list[torch.Tensor] = []
         self.own: torch.Tensor | None = None  # this rank's segment, when it is also where the sum goes (ZeRO-1)
@@ -193,13 +189,31 @@ class _ReduceScatter(_Job):
         fold(pieces, self.target[start:stop], self.accumulate)
 
 
+class _Peers(NamedTuple):
+    """Who a rank exchanges with, step by step: step ``i`` sends to the rank ``i`` after it and receives
+    from the rank ``i`` before it, so every rank sends to a different one at a time instead of all of
+    them to rank 0 first. Orders in group ranks; ``send_to``/``receive_from`` in global ranks."""
+
+    send_order: list[int]
+    receive_order: list[int]
+    send_to: list[int]
+    receive_from: list[int]
+
+    @staticmethod
+    def of(group: dist.ProcessGroup) -> _Peers:
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        ranks = [dist.get_global_rank(group, j) for j in range(n)]
+        send_order, receive_order = [(r + i) % n for i in range(1, n)], [(r - i) % n for i in range(1, n)]
+        return _Peers(send_order, receive_order, [ranks[j] for j in send_order], [ranks[j] for j in receive_order])
+
+
 class Exchanger:
     """One process group's exchanges, issued in the order they were started by a thread of its own."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self._peers = _Peers.of(group)
         self._group = weakref.ref(group)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._scratch: dict[Any, torch.Tensor] = {}  # where reduce-scatters receive, reused (only its thread uses it)
@@ -217,35 +231,23 @@ class Exchanger:
 
         All of them 1-D, contiguous and equally long; ``local = (destination, source)``: a copy
         made first, on the thread (this rank's own chunk)."""
-        group = self._group()
-        if group is None:
-            raise RuntimeError("An exchange was started on a process group that no longer exists.")
-        # Step i sends to the rank i after this one and receives from the rank i before it: every
-        # rank sends to a different one at a time instead of all of them to rank 0 first.
-        n, r = self.world_size, self.rank
-        send_to = [(r + i) % n for i in range(1, n)]
-        receive_from = [(r - i) % n for i in range(1, n)]
-        job = _Gather(
-            group,
-            [self._global[j] for j in send_to],
-            [sends[j] for j in send_to],
-            [self._global[j] for j in receive_from],
-            [receives[j] for j in receive_from],
-            local,
-        )
-        self._jobs.put(job)
-        return job.exchange
+        peers = self._peers
+        sent, received = [sends[j] for j in peers.send_order], [receives[j] for j in peers.receive_order]
+        return self._put(_Gather(self._live_group(), peers, sent, received, local))
 
     def reduce_scatter(self, chunks: Sequence[torch.Tensor], target: torch.Tensor, accumulate: bool) -> Exchange:
         """Send ``chunks[j]`` to group rank ``j``; ``target`` becomes (``accumulate``: gets added) the sum of
         every rank's chunk for this rank, in rank order ([Note: a reduce-scatter summed as it arrives])."""
+        group, chunks = self._live_group(), list(chunks)
+        return self._put(_ReduceScatter(group, self._peers, chunks, self.rank, target, accumulate, self._scratch))
+
+    def _live_group(self) -> dist.ProcessGroup:
         group = self._group()
         if group is None:
             raise RuntimeError("An exchange was started on a process group that no longer exists.")
-        n, r = self.world_size, self.rank
-        send_to = [self._global[(r + i) % n] for i in range(1, n)]
-        receive_from = [self._global[(r - i) % n] for i in range(1, n)]
-        job = _ReduceScatter(group, send_to, list(chunks), r, receive_from, target, accumulate, self._scratch)
+        return group
+
+    def _put(self, job: _Job) -> Exchange:
         self._jobs.put(job)
         return job.exchange
 

@@ -25,6 +25,13 @@ from .segmented import exchanger, fold
 # peer, as gloo's all_to_all_single and all-gather send them (the benchmarks compare both).
 SEGMENTED = True
 
+
+def summed_on_arrival(device: torch.device) -> bool:
+    """Whether a reduce-scatter on ``device`` is summed as its segments arrive (gloo, on CPU), so that
+    nothing is received whole; elsewhere ``all_to_all_single`` needs a receive buffer."""
+    return SEGMENTED and device.type == "cpu"
+
+
 # torch 2.13 names it all_gather_single; older releases (from 2.4) all_gather_into_tensor.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -93,7 +100,7 @@ def start_reduce_scatter(
     (reused), or None for a fresh one. On CPU nothing is received whole."""
     sent = padded if wire_dtype is None or wire_dtype == padded.dtype else padded.to(wire_dtype)
     world_size = dist.get_world_size(group)
-    if SEGMENTED and sent.device.type == "cpu":
+    if summed_on_arrival(sent.device):
         work = exchanger(group).reduce_scatter(list(sent.view(world_size, -1)), shard, accumulate)
         return PendingReduceScatter(work, sent, None, shard, accumulate, world_size)
     if receive is not None and receive.dtype == sent.dtype and receive.numel() >= sent.numel():

@@ -35,8 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives import sharded as sharded_collectives
-from ..collectives.sharded import PendingReduceScatter, start_all_gather, start_reduce_scatter
+from ..collectives.sharded import PendingReduceScatter, start_all_gather, start_reduce_scatter, summed_on_arrival
 from ..observability.timing import IterationTimes, now
 from .bucket_set import BucketSet
 from .reductions import LaunchContext, Reduction, Started
@@ -158,7 +157,7 @@ class ReduceScatter(Reduction):
     def _receive_buffer(self, storage: BucketStorage, b: int) -> torch.Tensor | None:
         """Where ``all_to_all_single`` receives bucket ``b`` (None: on CPU nothing is received whole)."""
         key = (storage.flat.dtype, storage.flat.device)
-        if sharded_collectives.SEGMENTED and key[1].type == "cpu":
+        if summed_on_arrival(key[1]):
             return None
         if key not in self._receive:
             n, dtype = self._largest[key], self.wire_dtype or key[0]
@@ -188,9 +187,8 @@ class ReduceScatter(Reduction):
             for param in storage.params:
                 param.grad = None  # ZeRO-2 keeps no full gradient: the bucket holds it until it is sent
         try:
-            accumulate = self.filled[b] and not self.keep_full  # ZeRO-1 accumulates in .grad, as DDP does
             pending = start_reduce_scatter(
-                storage.flat, self.grad_shards[b], accumulate, self.group, self.wire_dtype, receive
+                storage.flat, self.grad_shards[b], self._accumulates(b), self.group, self.wire_dtype, receive
             )
         except RuntimeError as error:  # a dead peer can fail the launch itself
             self._buffers_suspect = True
@@ -233,10 +231,14 @@ class ReduceScatter(Reduction):
         return errors
 
     def start_zeros(self, buckets: BucketSet, b: int) -> Any:
-        accumulate = self.filled[b] and not self.keep_full
         return start_reduce_scatter(
-            buckets.zeros_like_bucket(b), self.grad_shards[b], accumulate, self.group, self.wire_dtype
+            buckets.zeros_like_bucket(b), self.grad_shards[b], self._accumulates(b), self.group, self.wire_dtype
         )
+
+    def _accumulates(self, b: int) -> bool:
+        """Whether bucket ``b``'s reduce-scatter adds to its shard: ZeRO-2's shard still holds an earlier
+        backward's average not yet stepped; ZeRO-1 accumulates in ``.grad`` (the bucket), as DDP does."""
+        return self.filled[b] and not self.keep_full
 
     def finish_shadow(self, buckets: BucketSet, pending: list[Any], globally_used: list[bool] | None) -> None:
         """A joined rank still owns its range of every bucket: it keeps the others' average there.
