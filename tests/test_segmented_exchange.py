@@ -89,12 +89,15 @@ def test_segments_add_up_to_the_hand_sum(world: int) -> None:
 def _peer_dies() -> tuple[str, float]:
     rank = dist.get_rank()
     if rank == 1:
-        time.sleep(0.5)  # the survivor's exchange is under way, waiting for this rank's segments
+        # Dies only once the survivor's exchange is under way and its bounded wait has timed out
+        # (a barrier: a collective, matched apart from the exchange's point-to-point segments).
+        dist.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     pending = start_reduce_scatter(torch.ones(2 * 4 * SEGMENT), torch.empty(4 * SEGMENT), False, None)
     with pytest.raises(RuntimeError, match="Timed out"):  # a bounded wait says so while the peer is silent
         pending.work.wait(timedelta(seconds=0.1))
+    dist.barrier()
     with pytest.raises(RuntimeError) as error:
         pending.wait()
     return str(error.value), time.monotonic() - start
