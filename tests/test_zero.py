@@ -352,6 +352,8 @@ def _bytes_per_step(sharded: bool) -> dict[str, int]:
         ShardedOptimizer(ddp, torch.optim.SGD, lr=0.01) if sharded else torch.optim.SGD(model.parameters(), lr=0.01)
     )
     train(ddp, optimizer, "mlp", 2)  # past the rebuild
+    settle = getattr(optimizer, "wait_for_params", lambda: None)  # the gathers overlap the next forward
+    settle()
     moved: dict[str, int] = {}
     names = ("all_reduce", "all_to_all_single", "broadcast", "isend", "irecv")
     originals = {name: getattr(dist, name) for name in names}
@@ -375,6 +377,7 @@ def _bytes_per_step(sharded: bool) -> dict[str, int]:
     sharded_collectives._all_gather = record("all_gather", gather, lambda o, i, *a: int(per_rank_send * o.numel()))
     try:
         train(ddp, optimizer, "mlp", 1)
+        settle()
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)

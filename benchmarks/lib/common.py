@@ -47,10 +47,14 @@ class Contender:
     name: str
     step: Callable[[int], None]  # one iteration; ``i`` picks the batch
     rest: Callable[[], None] = field(default=lambda: None)  # after each block, untimed (frees .grad)
+    # Before each block, untimed: for setups whose iteration leaves work to the next one (all-gathers that
+    # overlap the next forward), one iteration that leaves it, so that every timed iteration pays for one.
+    lead: Callable[[], None] = field(default=lambda: None)
 
 
 def time_block(contender: Contender, count: int) -> list[float]:
     """Seconds per iteration on this rank."""
+    contender.lead()
     times = []
     for i in range(count):
         start = time.perf_counter()

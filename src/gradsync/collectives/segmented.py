@@ -24,6 +24,7 @@ step's chunk to one neighbour, measured faster in training than this exchange wi
 
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import threading
@@ -217,8 +218,8 @@ class Exchanger:
         self._group = weakref.ref(group)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._scratch: dict[Any, torch.Tensor] = {}  # where reduce-scatters receive, reused (only its thread uses it)
-        thread = threading.Thread(target=_run, args=(self._jobs,), name="gradsync-exchange", daemon=True)
-        thread.start()
+        self._thread = threading.Thread(target=_run, args=(self._jobs,), name="gradsync-exchange", daemon=True)
+        self._thread.start()
         weakref.finalize(group, self._jobs.put, None)  # the group is gone: so is its thread
 
     def start(
@@ -251,6 +252,11 @@ class Exchanger:
         self._jobs.put(job)
         return job.exchange
 
+    def close(self, timeout_s: float) -> None:
+        """Let the thread finish the exchanges started and stop (waiting ``timeout_s`` at most)."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
 
 def _run(jobs: queue.SimpleQueue[_Job | None]) -> None:
     while (job := jobs.get()) is not None:
@@ -269,6 +275,23 @@ def _run(jobs: queue.SimpleQueue[_Job | None]) -> None:
 
 _EXCHANGERS: weakref.WeakKeyDictionary[Any, Exchanger] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
+
+
+# How long the interpreter's exit waits for exchanges still in flight (a peer that died makes each segment
+# wait for the group's timeout, which can be half an hour).
+EXIT_WAIT_S = 60.0
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A program may end with exchanges in flight (a sharded optimizer's all-gathers overlap the next forward,
+    and the last step has none). Their thread is a daemon, and a daemon thread still waiting in C++ when
+    the interpreter finalizes aborts the process (``terminate called without an active exception``): so at
+    exit each exchanger finishes what was started and its thread stops first."""
+    with _LOCK:
+        exchangers = list(_EXCHANGERS.values())
+    for found in exchangers:
+        found.close(EXIT_WAIT_S)
 
 
 def exchanger(group: dist.ProcessGroup | None) -> Exchanger:

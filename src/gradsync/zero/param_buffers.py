@@ -9,15 +9,15 @@ one ``all_gather`` per bucket writes every rank's range into place. Nothing is c
 and no receive buffer exists.
 
 The gathers are started in ``start`` (from the optimizer's ``step``, which every rank calls) in
-the order the forward first used the buckets. By default ``step`` waits for them before it returns,
-so the parameters are whole on every rank from then on. With ``overlap_param_gather=True`` they are
-waited for locally instead: by a forward pre-hook on every module, for the buckets holding that
-module's own parameters, so the next forward computes while the later buckets are still on the
-wire; by ``wait_all`` before anything else reads or writes the parameters through gradsync (the
-next step, a relayout, ``state_dict``). A wait is never a collective, so a module run on one rank
-alone (an evaluation on rank 0) is safe; but code that reads parameters between ``step`` and the
-next forward by itself (an EMA of the weights, a norm for logging) must call the optimizer's
-``wait_for_params()`` first, or it reads some ranges from before the step.
+the order the first forward used the buckets. By default (``overlap_param_gather=True``) they
+overlap the next forward: a forward pre-hook on every module waits for the buckets that module's
+code reads ([Note: what a module's forward reads] in param_reads.py), so the forward computes
+while the later buckets are still on the wire. Between the step and that forward, a dispatch mode
+makes anything else this thread runs on a parameter wait for its bucket first ([Note: the guard
+over parameters in flight] in stale_guard.py); at the end of a forward whatever it did not use is
+waited for. A wait is never a collective, so a module run on one rank alone (an evaluation on
+rank 0) is safe. With ``overlap_param_gather=False``, ``step`` waits for every gather before it
+returns.
 
 The gathers go over their own process group when the optimizer steps in backward
 ([Note: the step inside backward] in backward_step.py): there a bucket's gather starts when its
@@ -31,6 +31,7 @@ copies of the parameters instead, so a checkpoint is the same bytes as with plai
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -43,32 +44,52 @@ from ..collectives.sharded import start_all_gather
 from ..engine.bucket_set import BucketSet
 from ..engine.sharding import ShardLayout
 from ..engine.storage import make_view
+from .dispatch_modes import storage_key
+from .param_reads import DirectReads
+from .stale_guard import StaleGuard
 
 
 class ParamBuffers:
     def __init__(
-        self, module: nn.Module, params: list[torch.Tensor], group: dist.ProcessGroup, gather_group: Any = None
+        self,
+        module: nn.Module,
+        params: list[torch.Tensor],
+        names: list[str],
+        group: dist.ProcessGroup,
+        gather_group: Any = None,
     ) -> None:
         """``gather_group``: the group the all-gathers go over (over the ranks of ``group``), if not ``group``."""
         self.group = group
         self.gather_group = group if gather_group is None else gather_group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.params = params  # by engine index
+        self.params, self.names = params, names  # by engine index
         self.buckets: BucketSet | None = None
         self.layout: ShardLayout | None = None
         self.flats: list[torch.Tensor] = []  # per bucket: its parameters, padded; the parameters are views
         self.pending: dict[int, Any] = {}  # bucket -> its all-gather in flight
-        self.order: list[int] = []  # gather order: buckets in the order the forward first used them
-        self.recorded: list[int] = []  # first uses seen in the current forward, while recording
-        self.recording = True
+        self.failed: dict[int, RuntimeError] = {}  # bucket -> why its last all-gather failed (it is not whole)
+        self._spans: dict[int, tuple[list[int], list[int], list[int]]] = {}  # storage -> starts, ends, params
         index = {id(p): i for i, p in enumerate(params)}
-        self._own = {m: [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index] for m in module.modules()}
-        self._buckets_of: dict[nn.Module, list[int]] = {}
+        modules = list(module.modules())
+        self._own = {m: {index[id(p)] for p in m.parameters(recurse=False) if id(p) in index} for m in modules}
+        self._below = {m: {index[id(p)] for p in m.parameters() if id(p) in index} for m in modules}
+        # Learned in the first forward ([Note: what a module's forward reads] in param_reads.py).
+        self._reads: dict[nn.Module, set[int]] | None = None
+        self._first_use: list[int] = []
+        self._waits: dict[nn.Module, list[int]] = {}  # module -> the buckets its forward pre-hook waits for
+        self._recorder = DirectReads([m for m in modules if self._below[m]], self.locate)
+        self._recording = False
         # Hooks hold this object weakly: a deepcopy of the module (an EMA copy, say) copies the hook
         # functions as they are, and a copy's modules are simply not found here.
         this = weakref.ref(self)
-        self._handles = [m.register_forward_pre_hook(weakly(this, "_before_module")) for m in self._own if self._own[m]]
+        self.guard = StaleGuard(self)  # stale_guard.py
+        self._handles = [
+            module.register_forward_pre_hook(weakly(this, "_forward_starts"), prepend=True),
+            module.register_forward_hook(weakly(this, "_forward_ends"), always_call=True),
+        ]
+        before_module = weakly(this, "_before_module")
+        self._handles += [m.register_forward_pre_hook(before_module) for m in modules if self._below[m]]
         self._handles.append(module._register_state_dict_hook(weakly(this, "_compact_state_dict")))
         # Loading a state dict writes the parameters: no gather may land on them afterwards.
         self._handles.append(module._register_load_state_dict_pre_hook(weakly(this, "wait_all_ignoring")))
@@ -78,32 +99,65 @@ class ParamBuffers:
         """Move every parameter into the flat buffers of ``buckets`` (same values, new storage)."""
         self.wait_all()
         self.buckets, self.layout = buckets, layout
+        self.flats, self._spans = [], {}
         with torch.no_grad():
-            self.flats = []
             for b, storage in enumerate(buckets.storages):
                 flat = torch.zeros(layout.padded[b], dtype=storage.params[0].dtype, device=buckets.device)
+                spans = []
                 for index, offset in zip(storage.param_indices, storage.offsets):
                     param = self.params[index]
                     view = make_view(flat, offset, param)
                     view.copy_(param.data)
                     param.data = view
+                    spans.append((offset, offset + extent(view), index))
                 self.flats.append(flat)
-        self._buckets_of = {
-            m: sorted({buckets.bucket_of[i] for i in indices}) for m, indices in self._own.items() if indices
-        }
-        self.order = list(reversed(range(len(buckets.storages))))  # later buckets hold earlier layers
-        self.recorded, self.recording = [], True
+                spans.sort()
+                self._spans[storage_key(flat)] = tuple(list(column) for column in zip(*spans))
+        self._compute_waits()
 
     def own_range(self, b: int) -> torch.Tensor:
         """This rank's range of bucket ``b``'s flat parameter buffer (a view: writes reach the parameters)."""
         size = self.layout.shard_numel[b]
         return self.flats[b].narrow(0, self.rank * size, size)
 
+    def locate(self, tensor: torch.Tensor) -> int | None:
+        """The index of the parameter ``tensor`` is, or is a view of; None if it is none of them."""
+        spans = self._spans.get(storage_key(tensor))
+        if spans is None:
+            return None
+        starts, ends, indices = spans
+        offset = tensor.storage_offset()
+        k = bisect.bisect_right(starts, offset) - 1
+        return indices[k] if k >= 0 and offset < ends[k] else None
+
+    def gather_order(self) -> list[int]:
+        """The buckets in the order the first forward first used them, then the rest (later buckets first)."""
+        bucket_of, count = self.buckets.bucket_of, len(self.flats)
+        used = list(dict.fromkeys(bucket_of[i] for i in self._first_use))
+        return used + [b for b in reversed(range(count)) if b not in used]
+
+    def _compute_waits(self) -> None:
+        """Each module's hook waits for the buckets of its own parameters and those its code read; a module
+        the first forward did not run (or before it ran) waits for every parameter below it."""
+        bucket_of, reads = self.buckets.bucket_of, self._reads
+        waits = {}
+        for module, below in self._below.items():
+            if below:
+                read = below if reads is None or module not in reads else self._own[module] | reads[module]
+                waits[module] = sorted({bucket_of[i] for i in read})
+        self._waits = waits
+
     # ------------------------------------------------------------------ gathers
     def start(self, order: Iterable[int]) -> None:
         """Start every bucket's all-gather, in ``order`` (the same on every rank)."""
         for b in order:
             self.pending[b] = start_all_gather(self.flats[b], self.own_range(b), self.gather_group)
+
+    def guard_in_flight(self) -> bool:
+        """Watch the buckets in flight until they are waited for (stale_guard.py); False where that cannot be."""
+        if not self.pending:
+            return True
+        return self.guard.arm({storage_key(self.flats[b]): b for b in self.pending})
 
     def gather_now(self, order: Iterable[int]) -> None:
         """Every bucket's all-gather, one after the other: gloo allocates a temporary as large as a
@@ -112,27 +166,64 @@ class ParamBuffers:
             start_all_gather(self.flats[b], self.own_range(b), self.gather_group).wait()
 
     def wait(self, b: int) -> None:
+        """Until bucket ``b``'s parameters are whole here; a gather that failed raises, now and at every later wait."""
+        if b in self.failed:
+            raise self.failed[b]
         work = self.pending.pop(b, None)
-        if work is not None:
+        if work is None:
+            return
+        try:
             work.wait()
+        except Exception as error:  # the guard keeps watching the bucket: every later read raises too
+            self.failed[b] = self._gather_failed(b, error)
+            raise self.failed[b] from error
+        self.guard.forget(storage_key(self.flats[b]))
 
     def wait_all(self) -> None:
-        for b in list(self.pending):
+        for b in [*self.failed, *self.pending]:
             self.wait(b)
+        self.guard.disarm()
 
     def wait_all_ignoring(self, *args: Any) -> None:
-        self.wait_all()
+        """Before a state dict is loaded into the parameters: whatever failed to arrive is overwritten now."""
+        for b in list(self.pending):
+            try:
+                self.wait(b)
+            except RuntimeError:
+                pass
+        self.failed = {}
+        self.guard.disarm()
+
+    def _gather_failed(self, b: int, error: BaseException) -> RuntimeError:
+        names = [self.names[i] for i in self.buckets.storages[b].param_indices]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        return RuntimeError(
+            f"The all-gather of the parameters after the last optimizer step failed on rank {self.rank} (bucket {b}: "
+            f"{shown}), so they are not whole on this rank: {error}. The step's all-gathers overlap the next "
+            "forward (overlap_param_gather=True). If the process group was destroyed right after optimizer.step(), "
+            "call optimizer.wait_for_params() before dist.destroy_process_group(), or build the ShardedOptimizer "
+            "with overlap_param_gather=False; if a rank died, restart from the last checkpoint."
+        )
+
+    # ------------------------------------------------------------------ the forward
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        self.guard.disarm()  # from here the module hooks wait, each for what its module reads
+        if self._reads is None and not self._recording:
+            self._recording = self._recorder.start(module)
 
     def _before_module(self, module: nn.Module, args: Any) -> None:
-        for b in self._buckets_of.get(module, ()):
-            if self.recording and b not in self.recorded:
-                self.recorded.append(b)
-            self.wait(b)
+        if self.pending:
+            for b in self._waits.get(module, ()):
+                self.wait(b)
 
-    def end_recording(self) -> list[int]:
-        """The forward's first-use order, completed with the buckets it did not use; recording stops."""
-        self.recording = False
-        return self.recorded + [b for b in self.order if b not in self.recorded]
+    def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._recording:
+            self._recording = False
+            # A forward that raised (no output) leaves a partial record: learn in the next one instead.
+            if self._recorder.stop() and output is not None:
+                self._reads, self._first_use = self._recorder.reads, list(self._recorder.first_use)
+                self._compute_waits()
+        self.wait_all()  # what this forward did not use (unused parameters): nothing else waits for it
 
     def _compact_state_dict(self, module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
         """Parameters are saved as tensors of their own, not as views of a flat buffer ([Note:
@@ -149,6 +240,14 @@ class ParamBuffers:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.wait_all()
+
+
+def extent(view: torch.Tensor) -> int:
+    """How many elements of its storage a view spans from its first one (strided views included)."""
+    if view.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(view.shape, view.stride()))
 
 
 def weakly(ref: weakref.ref, method: str) -> Callable[..., None]:

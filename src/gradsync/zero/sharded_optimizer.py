@@ -74,7 +74,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         stage: int = 2,
         *,
         elementwise: bool | None = None,
-        overlap_param_gather: bool = False,
+        overlap_param_gather: bool = True,
         step_in_backward: bool = False,
         state_dict_timeout_s: float = 120.0,
         **defaults: Any,
@@ -82,8 +82,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """``params``: all of ``ddp``'s parameters, or torch's param-group dicts over them.
         ``elementwise``: vouch for an optimizer class gradsync does not know (elementwise.py).
         ``overlap_param_gather``: the parameters' all-gathers after a step overlap the next forward
-        instead of finishing inside ``step`` ([Note: parameters gathered in place] in param_buffers.py
-        says what that asks of code reading parameters between a step and the next forward).
+        instead of finishing inside ``step``; anything that reads a parameter before then waits for it
+        ([Note: the guard over parameters in flight] in stale_guard.py). False: ``step`` waits for them.
         ``step_in_backward``: stage 2 steps each bucket's shard as its reduce-scatter drains and starts its
         all-gather there; no ``clip_grad_norm_`` then ([Note: the step inside backward] in backward_step.py).
         ``state_dict_timeout_s``: how long ``state_dict`` waits for every rank to call it."""
@@ -109,7 +109,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         Joinable.__init__(self)
         # Stepping in backward: the gathers start as buckets drain, on a group of their own (param_buffers.py).
         gathers = dist.new_group(ranks, backend=dist.get_backend(self._group)) if step_in_backward else None
-        self._params = ParamBuffers(ddp.module, engine.params, self._group, gathers)
+        self._params = ParamBuffers(ddp.module, engine.params, engine.names, self._group, gathers)
         self._order: list[int] | None = None  # the gather order, once the ranks agreed on one
         self._shards = PieceOptimizer(optimizer_class, defaults, self.param_groups, engine.params)  # pieces.py
         self._stepped = False
@@ -117,7 +117,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         this = weakref.ref(self)  # weakly, so that a deepcopy of the module does not copy the optimizer
         self._hooks = [
             ddp.module.register_forward_pre_hook(weakly(this, "_before_forward"), prepend=True),
-            ddp.register_forward_hook(weakly(this, "_after_forward")),
         ]
         self._finished_init = True
 
@@ -180,7 +179,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         elif self.step_in_backward:
             self._backward_step.settle(self.param_groups)  # the shards were stepped in backward
             if not any(self._reduction.filled):  # every bucket was stepped: only its gather may be waited for
-                if not self.overlap_param_gather:
+                if not (self.overlap_param_gather and self._params.guard_in_flight()):
                     self._params.wait_all()
                 return loss
         self._step_shards(from_shards=self.stage == 2)
@@ -209,8 +208,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._params.wait_all()  # the step writes the parameters; no gather may still be writing them
         self._shards.step(self._shard_grad if from_shards else self._full_grad)
         self._reduction.consumed()
-        if self.overlap_param_gather and not self._in_join():
+        # Under gradsync.elastic a step commits once its collectives completed: none may be left in flight.
+        if self.overlap_param_gather and not self._in_join() and not self._engine.tolerance.enabled:
             self._params.start(self._gather_order())
+            if not self._params.guard_in_flight():  # another dispatch mode is on the stack (stale_guard.py)
+                self._params.wait_all()
         else:
             self._params.gather_now(self._gather_order())
 
@@ -227,8 +229,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def wait_for_params(self) -> None:
         """Wait for the all-gathers of the last step: afterwards every parameter is whole on this rank.
 
-        Only needed with ``overlap_param_gather=True``, by code that reads parameters between a step
-        and the next forward (an EMA of the weights); a local wait, no collective.
+        A local wait, no collective. Needed only where the guard cannot see a read between a step
+        and the next forward ([Note: the guard over parameters in flight] in stale_guard.py): from
+        another thread, or through memory behind torch's back (``tolist()``, ``data_ptr()``).
         """
         self._params.wait_all()
 
@@ -313,14 +316,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 self._layout, self._order = new, None
                 self._load_piece_state(exchange(state, old, new, self._group, self._engine.buckets.device))
 
-    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._params.recording:
-            self._recorded = self._params.end_recording()
-
     def _gather_order(self) -> list[int]:
         """The buckets in the order the first forward used them, rank 0's (every rank must gather alike)."""
         if self._order is None:
-            local = getattr(self, "_recorded", None) or self._params.order
+            local = self._params.gather_order()
             device = self._engine.buckets.device
             self._order = broadcast_int_list(local, dist.get_global_rank(self._group, 0), self._group, device)
         return self._order

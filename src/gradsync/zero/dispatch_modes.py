@@ -1,0 +1,93 @@
+"""A torch dispatch mode that gradsync pushes and pops itself, and where an operator's tensors live.
+
+[Note: a mode pushed outside a with block]
+The guard over parameters still being gathered (stale_guard.py) is pushed when a step returns
+and popped at the next forward: no ``with`` block spans that. torch's dispatch-mode stack is one
+per thread, and a mode's ``__exit__`` pops whatever is on top. So these modes are pushed only on
+a thread whose stack holds none but ours (under a user's mode, that mode's ``__exit__`` would pop
+ours in its place and leave its own behind; two sharded optimizers trained in turn, a GAN's, each
+push their own), and popped only while on top of the thread that pushed them. A
+mode's handler cannot pop it (torch takes the mode off the stack while its handler runs and puts
+it back after): a mode whose work ended there stays, *idle*, its handler passing operators
+through, until gradsync code runs outside any handler (the next forward, step, wait or push) and
+sweeps every idle mode of ours off the top of the stack. A user's mode pushed above ours is popped
+by its own ``__exit__``, as it should be; ours then leaves at the next sweep.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
+)
+
+
+class ScopedMode(TorchDispatchMode):
+    """A dispatch mode pushed by ``push`` and swept off by ``pop`` ([Note: a mode pushed outside a with block])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread: int | None = None  # the thread whose stack holds this mode, while it does
+
+    @property
+    def on_stack(self) -> bool:
+        return self.thread is not None
+
+    @property
+    def idle(self) -> bool:
+        """Whether its work is over, so that it may leave the stack."""
+        return True
+
+    def push(self) -> bool:
+        """Onto this thread's mode stack; False where it cannot go (a mode not ours is there, another thread)."""
+        here = threading.get_ident()
+        if self.thread is not None:
+            return self.thread == here
+        sweep()
+        if any(not isinstance(mode, ScopedMode) for mode in _get_current_dispatch_mode_stack()):
+            return False
+        self.__enter__()
+        self.thread = here
+        return True
+
+    def pop(self) -> bool:
+        """Sweep the idle modes off this thread's stack; whether this one is off it now."""
+        sweep()
+        return self.thread is None
+
+
+def sweep() -> None:
+    """Pop the idle modes of ours from the top of this thread's stack (not from inside a handler of ours:
+    there the top is the mode below it)."""
+    here = threading.get_ident()
+    while True:
+        top = _get_current_dispatch_mode()
+        if not isinstance(top, ScopedMode) or top.thread != here or not top.idle:
+            return
+        top.__exit__(None, None, None)
+        top.thread = None
+
+
+def tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors an operator was called with: arguments, keyword arguments, lists of them (``_foreach_*``)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s storage (shared by every view of it); None for tensors without one."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less layouts
+        return None

@@ -1,0 +1,85 @@
+"""Which parameters each module's own code reads, learned in the first forward.
+
+[Note: what a module's forward reads]
+The parameters' all-gathers after a step are waited for by forward pre-hooks, module by module
+([Note: parameters gathered in place] in param_buffers.py). A module's own parameters are not all
+it reads: ``nn.MultiheadAttention`` passes ``out_proj.weight`` to a function without ever calling
+``out_proj``, a tied decoder reads an embedding's weight, a block may read a child's parameter
+before calling the child. Waiting for a module's own parameters alone let such a read see ranges
+from before the step whenever the parameter sat in a bucket still in flight (without an error).
+
+So the first forward runs under ``DirectReads``: a dispatch mode that attributes every operator
+touching a parameter to the innermost module running (pre- and post-hooks on every module, for
+that forward only). A module's hook then waits for the buckets of its own parameters and of
+those it read itself. Modules that did not run in that forward (a branch not taken) wait for
+every parameter below them, which is safe without knowing what they read. The same forward gives
+the parameters' first-use order, which the gathers follow.
+
+It learns the code paths that forward took: a module that reads another module's parameter by
+itself only in a branch its first forward did not take is the one case left to
+``wait_for_params()`` (docs/zero.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .dispatch_modes import ScopedMode, tensors_in
+
+
+class DirectReads(ScopedMode):
+    """One forward's record: the parameters each module's code read itself, and their first-use order."""
+
+    def __init__(self, modules: list[nn.Module], locate: Callable[[torch.Tensor], int | None]) -> None:
+        super().__init__()
+        self.modules = modules
+        self.locate = locate  # tensor -> index of the parameter it is (a view of), or None
+        self.running: list[nn.Module] = []  # the modules whose forward runs now, innermost last
+        self.reads: dict[nn.Module, set[int]] = {}  # module that ran -> parameters its own code read
+        self.first_use: dict[int, None] = {}  # parameters in the order the forward first touched them
+        self._handles: list[Any] = []
+
+    @property
+    def idle(self) -> bool:
+        return not self.running
+
+    def start(self, root: nn.Module) -> bool:
+        """Called from ``root``'s forward pre-hook; False where the mode cannot be pushed (try the next forward)."""
+        if not self.push():
+            return False
+        self.running, self.reads = [root], {root: set()}
+        for module in self.modules:
+            if module is not root:
+                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+        return True
+
+    def stop(self) -> bool:
+        """Called from ``root``'s forward hook; True when the record is complete (the mode came off the stack)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.running = [], []
+        return self.pop()
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.running.append(module)
+        self.reads.setdefault(module, set())
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.running and self.running[-1] is module:
+            self.running.pop()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.running:
+            reader = self.reads[self.running[-1]]
+            for tensor in tensors_in(args, kwargs):
+                param = self.locate(tensor)
+                if param is not None:
+                    self.first_use.setdefault(param)
+                    reader.add(param)
+        return func(*args, **kwargs)
