@@ -370,3 +370,41 @@ def test_a_gather_cut_off_by_destroy_process_group_is_named_with_its_fix() -> No
     for result in _end_right_after_step("destroy"):
         assert result["error"] is not None and "all-gather of the parameters" in result["error"], result
         assert "call optimizer.wait_for_params() before dist.destroy_process_group()" in result["error"], result
+
+
+# ---------------------------------------------------------------------- torch.compile
+def _compiled(where: str) -> dict:
+    """``DDP(torch.compile(model))`` ("inner") or ``torch.compile(DDP(model))`` ("outer"), aot_eager."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model = Attention()
+    reference_model = copy.deepcopy(model)
+    ddp = DDP(torch.compile(model, backend="aot_eager") if where == "inner" else model, bucket_cap_mb=CAPS)
+    reference = DDP(reference_model, bucket_cap_mb=CAPS)
+    call = torch.compile(ddp, backend="aot_eager") if where == "outer" else ddp
+    sharded = ShardedOptimizer(ddp, torch.optim.Adam, lr=1e-2)
+    plain = torch.optim.Adam(reference_model.parameters(), lr=1e-2)
+    try:
+        with lazy_gathers():
+            for wrapper, optimizer in ((call, sharded), (reference, plain)):
+                for step in range(5):
+                    _step(wrapper, optimizer, step)
+            sharded.wait_for_params()
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    return {
+        "difference": max_relative_difference(model, reference_model),
+        "identical": identical_across_ranks(model),
+        "graphs": frames,
+    }
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("where", ["inner", "outer"])
+def test_a_compiled_model_trains_like_the_eager_reference(where: str) -> None:
+    """The hooks run eagerly (graph breaks), the modes never make torch.compile skip the model, and the
+    mode stack is not changed inside a compiled call (its backward would fail torch's internal assert)."""
+    for result in run_distributed(_compiled, 2, where, timeout_s=200):
+        assert result["graphs"] > 0, result
+        assert result["identical"] and result["difference"] <= 1e-6, result

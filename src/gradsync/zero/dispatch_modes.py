@@ -12,10 +12,17 @@ it back after): a mode whose work ended there stays, *idle*, its handler passing
 through, until gradsync code runs outside any handler (the next forward, step, wait or push) and
 sweeps every idle mode of ours off the top of the stack. A user's mode pushed above ours is popped
 by its own ``__exit__``, as it should be; ours then leaves at the next sweep.
+
+Nor is the stack changed while a torch.compile'd call runs (``torch.compile(ddp)``: the hooks of
+the modules inside run eagerly, in the middle of it): the compiled code was set up with the modes
+there were when it started, and its backward fails torch's internal assert when one of them is
+gone. Modes are pushed and popped outside such a call instead (a step, an eager forward).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -44,11 +51,20 @@ class ScopedMode(TorchDispatchMode):
         """Whether its work is over, so that it may leave the stack."""
         return True
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile goes on compiling while this mode is on the stack: a mode that it does not ignore
+        makes it skip every frame that starts meanwhile, for good (the code is marked, not the call)."""
+        return True
+
     def push(self) -> bool:
-        """Onto this thread's mode stack; False where it cannot go (a mode not ours is there, another thread)."""
+        """Onto this thread's mode stack; False where it cannot go (a mode not ours is there, another thread,
+        inside a compiled call)."""
         here = threading.get_ident()
         if self.thread is not None:
             return self.thread == here
+        if compiled_call_running():
+            return False
         sweep()
         if any(not isinstance(mode, ScopedMode) for mode in _get_current_dispatch_mode_stack()):
             return False
@@ -66,12 +82,36 @@ def sweep() -> None:
     """Pop the idle modes of ours from the top of this thread's stack (not from inside a handler of ours:
     there the top is the mode below it)."""
     here = threading.get_ident()
+    if compiled_call_running():
+        return
     while True:
         top = _get_current_dispatch_mode()
         if not isinstance(top, ScopedMode) or top.thread != here or not top.idle:
             return
         top.__exit__(None, None, None)
         top.thread = None
+
+
+_EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
+
+
+def compiled_call_running() -> bool:
+    """Whether this thread runs inside a call of a torch.compile'd function or module (the eager hooks
+    it calls at graph breaks included). The wrapper's frame is ``compile_wrapper`` (torch 2.13), or an
+    ``_fn`` closing over the compile context (older releases; ``DisableContext``'s own ``_fn`` is not one)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(_EVAL_FRAME):
+            if code.co_name == "compile_wrapper":
+                return True
+            if code.co_name == "_fn" and type(frame.f_locals.get("self")).__name__ not in (
+                "DisableContext",
+                "NoneType",
+            ):
+                return True
+        frame = frame.f_back
+    return False
 
 
 def tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:

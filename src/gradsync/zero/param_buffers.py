@@ -42,6 +42,7 @@ from torch import nn
 
 from ..collectives.sharded import start_all_gather
 from ..engine.bucket_set import BucketSet
+from ..engine.graph import output_grad_fns, reachable_leaves
 from ..engine.sharding import ShardLayout
 from ..engine.storage import make_view
 from .dispatch_modes import storage_key
@@ -80,6 +81,7 @@ class ParamBuffers:
         self._waits: dict[nn.Module, list[int]] = {}  # module -> the buckets its forward pre-hook waits for
         self._recorder = DirectReads([m for m in modules if self._below[m]], self.locate)
         self._recording = False
+        self._learnable = True  # False once a record missed a parameter the forward used (compiled code)
         # Hooks hold this object weakly: a deepcopy of the module (an EMA copy, say) copies the hook
         # functions as they are, and a copy's modules are simply not found here.
         this = weakref.ref(self)
@@ -208,7 +210,8 @@ class ParamBuffers:
     # ------------------------------------------------------------------ the forward
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
         self.guard.disarm()  # from here the module hooks wait, each for what its module reads
-        if self._reads is None and not self._recording:
+        # A forward with autograd recording, so that the record can be checked against the graph.
+        if self._reads is None and self._learnable and not self._recording and torch.is_grad_enabled():
             self._recording = self._recorder.start(module)
 
     def _before_module(self, module: nn.Module, args: Any) -> None:
@@ -221,9 +224,19 @@ class ParamBuffers:
             self._recording = False
             # A forward that raised (no output) leaves a partial record: learn in the next one instead.
             if self._recorder.stop() and output is not None:
-                self._reads, self._first_use = self._recorder.reads, list(self._recorder.first_use)
-                self._compute_waits()
+                self._learn(output)
         self.wait_all()  # what this forward did not use (unused parameters): nothing else waits for it
+
+    def _learn(self, output: Any) -> None:
+        """Take the record, if it saw every parameter the forward used; else (compiled code ran where the
+        record cannot see) never: each module keeps waiting for everything below it."""
+        used = reachable_leaves(output_grad_fns(output))
+        seen = self._recorder.first_use
+        if any(id(param) in used and i not in seen for i, param in enumerate(self.params)):
+            self._learnable = False
+            return
+        self._reads, self._first_use = self._recorder.reads, list(seen)
+        self._compute_waits()
 
     def _compact_state_dict(self, module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
         """Parameters are saved as tensors of their own, not as views of a flat buffer ([Note:
@@ -251,11 +264,14 @@ def extent(view: torch.Tensor) -> int:
 
 
 def weakly(ref: weakref.ref, method: str) -> Callable[..., None]:
-    """A hook calling ``method`` of the object ``ref`` refers to, while it lives."""
+    """A hook calling ``method`` of the object ``ref`` refers to, while it lives.
+
+    Never traced by torch.compile (a hook of a compiled module runs eagerly, as a graph break): it
+    waits for work in flight and keeps state that a graph would freeze."""
 
     def hook(*args: Any) -> None:
         owner = ref()
         if owner is not None:
             getattr(owner, method)(*args)
 
-    return hook
+    return torch.compiler.disable(hook)

@@ -52,10 +52,11 @@ class DirectReads(ScopedMode):
         if not self.push():
             return False
         self.running, self.reads = [root], {root: set()}
+        enter, leave = torch.compiler.disable(self._enter), torch.compiler.disable(self._leave)
         for module in self.modules:
             if module is not root:
-                self._handles.append(module.register_forward_pre_hook(self._enter))
-                self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+                self._handles.append(module.register_forward_pre_hook(enter))
+                self._handles.append(module.register_forward_hook(leave, always_call=True))
         return True
 
     def stop(self) -> bool:
