@@ -27,13 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import gradsync.zero.gather_plan as gather_plan
 import gradsync.zero.param_buffers as param_buffers
 from gradsync import DistributedDataParallel as DDP
 from gradsync.zero import ShardedOptimizer
 
 from harness import run_distributed
-from models import global_batch, loss_fn, make_model, rank_world, shard
+from models import global_batch, loss_fn, rank_world, shard
 from zero_support import identical_across_ranks, max_relative_difference
 
 CAPS = 0.0005  # small buckets: modules' parameters end up in different buckets
@@ -57,12 +56,12 @@ class LazyGather:
 
 @contextmanager
 def lazy_gathers() -> Iterator[None]:
-    real = param_buffers.start_all_gather_part
-    param_buffers.start_all_gather_part = lambda *args: LazyGather(real, *args)
+    real = param_buffers.start_all_gather
+    param_buffers.start_all_gather = lambda *args: LazyGather(real, *args)
     try:
         yield
     finally:
-        param_buffers.start_all_gather_part = real
+        param_buffers.start_all_gather = real
 
 
 # ---------------------------------------------------------------------- models whose modules read others' parameters
@@ -409,43 +408,3 @@ def test_a_compiled_model_trains_like_the_eager_reference(where: str) -> None:
     for result in run_distributed(_compiled, 2, where, timeout_s=200):
         assert result["graphs"] > 0, result
         assert result["identical"] and result["difference"] <= 1e-6, result
-
-
-# ---------------------------------------------------------------------- gathered in parts
-def _in_parts(part_bytes: int, name: str, in_backward: bool) -> dict:
-    default = gather_plan.PART_BYTES
-    gather_plan.PART_BYTES = part_bytes
-    try:
-        torch.manual_seed(0)
-        model = MODELS[name]() if name in MODELS else make_model(name)
-        reference_model = copy.deepcopy(model)
-        ddp, reference = DDP(model, bucket_cap_mb=0.002), DDP(reference_model, bucket_cap_mb=0.002)
-        sharded = ShardedOptimizer(ddp, torch.optim.AdamW, step_in_backward=in_backward, lr=1e-2, weight_decay=0.1)
-        plain = torch.optim.AdamW(reference_model.parameters(), lr=1e-2, weight_decay=0.1)
-        with lazy_gathers():
-            for wrapper, optimizer in ((ddp, sharded), (reference, plain)):
-                for step in range(5):
-                    _step(wrapper, optimizer, step)
-            sharded.wait_for_params()
-        parts = len(sharded._params.plan.parts)
-    finally:
-        gather_plan.PART_BYTES = default
-    return {
-        "difference": max_relative_difference(model, reference_model),
-        "identical": identical_across_ranks(model),
-        "parts": parts,
-        "buckets": len(ddp.engine.buckets.storages),
-        "params": [p.detach().clone() for p in model.parameters()],
-    }
-
-
-@pytest.mark.parametrize("name,in_backward", [("attention", False), ("mlp", False), ("mlp", True)])
-def test_gathers_in_parts_change_no_bit(name: str, in_backward: bool) -> None:
-    """Every bucket gathered in 64-byte parts (parameters straddle parts and ranks, each part waited for
-    alone, lazily): bitwise the parameters of one part per bucket, and DDP + AdamW's within 1e-6."""
-    small = run_distributed(_in_parts, 2, 64, name, in_backward)
-    whole = run_distributed(_in_parts, 2, 1 << 30, name, in_backward)
-    for a, b in zip(small, whole):
-        assert a["parts"] > 4 * a["buckets"] and b["parts"] == b["buckets"], (a["parts"], b["parts"])
-        assert a["identical"] and a["difference"] <= 1e-6, a["difference"]
-        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"]))

@@ -61,7 +61,7 @@ def _collective_order() -> dict:
     ddp, sharded, _, _ = sharded_and_reference("mlp", 2, *ADAMW, 0.001, step_in_backward=True)
     train(ddp, sharded, "mlp", 2)  # past the rebuild
     issued: list[str] = []
-    original_rs, original_ag = reduce_scatter.start_reduce_scatter, param_buffers.start_all_gather_part
+    original_rs, original_ag = reduce_scatter.start_reduce_scatter, param_buffers.start_all_gather
 
     def rs(*args: object, **kwargs: object) -> object:
         issued.append(f"rs in {ddp.engine.phase}")
@@ -71,7 +71,7 @@ def _collective_order() -> dict:
         issued.append(f"ag in {ddp.engine.phase}" if ddp.engine.reducing else "ag after backward")
         return original_ag(*args, **kwargs)
 
-    reduce_scatter.start_reduce_scatter, param_buffers.start_all_gather_part = rs, ag
+    reduce_scatter.start_reduce_scatter, param_buffers.start_all_gather = rs, ag
     try:
         rank, world = rank_world()
         x, y = global_batch("mlp", world, 99)
@@ -81,7 +81,7 @@ def _collective_order() -> dict:
         moved = sum(not torch.equal(p, q) for p, q in zip(ddp.module.parameters(), before))
         sharded.step()
     finally:
-        reduce_scatter.start_reduce_scatter, param_buffers.start_all_gather_part = original_rs, original_ag
+        reduce_scatter.start_reduce_scatter, param_buffers.start_all_gather = original_rs, original_ag
     return {"issued": issued, "moved": moved, "params": len(before), "buckets": len(ddp.engine.buckets.storages)}
 
 

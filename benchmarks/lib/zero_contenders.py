@@ -35,10 +35,9 @@ from benchmarks.lib import link
 from benchmarks.lib.common import TORCH_DDP
 from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync.collectives import sharded as sharded_collectives
-from gradsync.zero import ShardedOptimizer, gather_plan
+from gradsync.zero import ShardedOptimizer
 
 LR, WEIGHT_DECAY = 1e-3, 0.01
-DEFAULT_PART_BYTES = gather_plan.PART_BYTES
 
 DESCRIPTIONS = {
     "gradsync_ddp": "gradsync DDP, default arguments, torch.optim.AdamW (the reference)",
@@ -52,7 +51,6 @@ DESCRIPTIONS = {
     "zero2_backward_no_overlap": "zero2_backward with overlap_param_gather=False",
     "zero2_backward_4mb": "zero2_backward on gradsync DDP with bucket_cap_mb=4 (smaller buckets)",
     "gradsync_ddp_4mb": "gradsync DDP with bucket_cap_mb=4, torch.optim.AdamW",
-    "zero2_bucketwise": "zero2 with each bucket's all-gather in one piece, not in parts of 1 MiB per rank",
     "zero2_whole": "zero2 with its exchanges sent as one message per peer (gloo's all_to_all_single, all-gather)",
     "zero2_no_overlap_whole": "zero2_no_overlap with one message per peer",
     "zero2_backward_whole": "zero2_backward with one message per peer",
@@ -111,12 +109,10 @@ def build(name: str, module: nn.Module) -> tuple[nn.Module, TimedOptimizer]:
     caps = {"bucket_cap_mb": 4} if name.endswith("_4mb") else {}
     ddp = GradsyncDDP(module, gradient_as_bucket_view=name.endswith("_view"), **caps)
     whole = name.endswith("_whole")
-    bucketwise = name.endswith("_bucketwise")
-    name = name.removesuffix("_4mb").removesuffix("_whole").removesuffix("_bucketwise")
+    name = name.removesuffix("_4mb").removesuffix("_whole")
 
     def mode(*_: Any) -> None:  # setups run interleaved in one process: each sets the exchange mode it measures
         sharded_collectives.SEGMENTED = not whole
-        gather_plan.PART_BYTES = 1 << 62 if bucketwise else DEFAULT_PART_BYTES  # read when the layout changes
 
     ddp.register_forward_pre_hook(mode, prepend=True)
     if name.startswith("gradsync_ddp"):

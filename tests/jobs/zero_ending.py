@@ -30,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
     if mode == "destroy":
-        real = param_buffers.start_all_gather_part
+        real = param_buffers.start_all_gather
 
         class Lazy:
             def __init__(self, *args: object) -> None:
@@ -39,7 +39,7 @@ def main() -> None:
             def wait(self) -> None:
                 real(*self.args).wait()
 
-        param_buffers.start_all_gather_part = Lazy
+        param_buffers.start_all_gather = Lazy
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])
     ddp = DDP(model)

@@ -139,25 +139,6 @@ def start_all_gather(
     return PendingGather(_gather(received, sent, group), output, received, sent)
 
 
-def gathers_in_parts(device: torch.device, group: dist.ProcessGroup) -> bool:
-    """Whether an all-gather may go as several exchanges, each of a part of every rank's shard, waited for
-    alone (zero/gather_plan.py): where it is the segmented exchange (gloo on CPU, two ranks)."""
-    return SEGMENTED and device.type == "cpu" and dist.get_world_size(group) == 2
-
-
-def start_all_gather_part(output: torch.Tensor, shard_numel: int, lo: int, hi: int, group: dist.ProcessGroup) -> Any:
-    """Fill elements ``[lo, hi)`` of every rank's shard of ``output`` (shards of ``shard_numel``, in rank order)
-    with that rank's; this rank's own are already in place. A whole shard anywhere; a part only where
-    ``gathers_in_parts``."""
-    rank = dist.get_rank(group)
-    if (lo, hi) == (0, shard_numel):
-        return start_all_gather(output, output.narrow(0, rank * shard_numel, shard_numel), group)
-    if not gathers_in_parts(output.device, group):
-        raise ValueError(f"An all-gather in parts needs the segmented exchange (gloo on CPU, two ranks); rank {rank}")
-    parts = [output.narrow(0, r * shard_numel + lo, hi - lo) for r in range(dist.get_world_size(group))]
-    return exchanger(group).start([parts[rank]] * len(parts), parts)
-
-
 def _gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Any:
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     # Above two ranks gloo's ring all-gather measured faster: [Note: exchanges in segments].

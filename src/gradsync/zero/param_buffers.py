@@ -31,6 +31,7 @@ copies of the parameters instead, so a checkpoint is the same bytes as with plai
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -39,14 +40,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives.sharded import gathers_in_parts, start_all_gather, start_all_gather_part
+from ..collectives.sharded import start_all_gather
 from ..engine.bucket_set import BucketSet
+from ..engine.graph import output_grad_fns, reachable_leaves
 from ..engine.sharding import ShardLayout
 from ..engine.storage import make_view
-from . import gather_plan
 from .dispatch_modes import storage_key
-from .gather_plan import GatherPlan, Span
-from .param_reads import ModuleReads
+from .param_reads import DirectReads
 from .stale_guard import StaleGuard
 
 
@@ -68,11 +68,20 @@ class ParamBuffers:
         self.buckets: BucketSet | None = None
         self.layout: ShardLayout | None = None
         self.flats: list[torch.Tensor] = []  # per bucket: its parameters, padded; the parameters are views
-        self.plan: GatherPlan | None = None  # the parts they are gathered in (gather_plan.py)
-        self.pending: dict[int, Any] = {}  # part -> its all-gather in flight
-        self.failed: dict[int, RuntimeError] = {}  # part -> why its last all-gather failed (it is not whole)
-        self.reads = ModuleReads(module, params, lambda tensor: self.plan.locate(tensor))  # param_reads.py
-        self._waits: dict[nn.Module, list[int]] = {}  # module -> the parts its forward pre-hook waits for
+        self.pending: dict[int, Any] = {}  # bucket -> its all-gather in flight
+        self.failed: dict[int, RuntimeError] = {}  # bucket -> why its last all-gather failed (it is not whole)
+        self._spans: dict[int, tuple[list[int], list[int], list[int]]] = {}  # storage -> starts, ends, params
+        index = {id(p): i for i, p in enumerate(params)}
+        modules = list(module.modules())
+        self._own = {m: {index[id(p)] for p in m.parameters(recurse=False) if id(p) in index} for m in modules}
+        self._below = {m: {index[id(p)] for p in m.parameters() if id(p) in index} for m in modules}
+        # Learned in the first forward ([Note: what a module's forward reads] in param_reads.py).
+        self._reads: dict[nn.Module, set[int]] | None = None
+        self._first_use: list[int] = []
+        self._waits: dict[nn.Module, list[int]] = {}  # module -> the buckets its forward pre-hook waits for
+        self._recorder = DirectReads([m for m in modules if self._below[m]], self.locate)
+        self._recording = False
+        self._learnable = True  # False once a record missed a parameter the forward used (compiled code)
         # Hooks hold this object weakly: a deepcopy of the module (an EMA copy, say) copies the hook
         # functions as they are, and a copy's modules are simply not found here.
         this = weakref.ref(self)
@@ -82,7 +91,7 @@ class ParamBuffers:
             module.register_forward_hook(weakly(this, "_forward_ends"), always_call=True),
         ]
         before_module = weakly(this, "_before_module")
-        self._handles += [m.register_forward_pre_hook(before_module) for m in self.reads.hooked]
+        self._handles += [m.register_forward_pre_hook(before_module) for m in modules if self._below[m]]
         self._handles.append(module._register_state_dict_hook(weakly(this, "_compact_state_dict")))
         # Loading a state dict writes the parameters: no gather may land on them afterwards.
         self._handles.append(module._register_load_state_dict_pre_hook(weakly(this, "wait_all_ignoring")))
@@ -91,23 +100,21 @@ class ParamBuffers:
     def adopt(self, buckets: BucketSet, layout: ShardLayout) -> None:
         """Move every parameter into the flat buffers of ``buckets`` (same values, new storage)."""
         self.wait_all()
-        self.buckets, self.layout, self.flats = buckets, layout, []
-        spans: list[list[Span]] = []
+        self.buckets, self.layout = buckets, layout
+        self.flats, self._spans = [], {}
         with torch.no_grad():
             for b, storage in enumerate(buckets.storages):
                 flat = torch.zeros(layout.padded[b], dtype=storage.params[0].dtype, device=buckets.device)
-                spans.append([])
+                spans = []
                 for index, offset in zip(storage.param_indices, storage.offsets):
                     param = self.params[index]
                     view = make_view(flat, offset, param)
                     view.copy_(param.data)
                     param.data = view
-                    spans[b].append(Span(offset, offset + extent(view), index))
+                    spans.append((offset, offset + extent(view), index))
                 self.flats.append(flat)
-        dtype = self.flats[0].dtype if self.flats else torch.float32
-        in_parts = gathers_in_parts(buckets.device, self.gather_group)
-        part_numel = gather_plan.PART_BYTES // dtype.itemsize if in_parts else None
-        self.plan = GatherPlan(layout, self.flats, spans, part_numel)
+                spans.sort()
+                self._spans[storage_key(flat)] = tuple(list(column) for column in zip(*spans))
         self._compute_waits()
 
     def own_range(self, b: int) -> torch.Tensor:
@@ -115,69 +122,75 @@ class ParamBuffers:
         size = self.layout.shard_numel[b]
         return self.flats[b].narrow(0, self.rank * size, size)
 
+    def locate(self, tensor: torch.Tensor) -> int | None:
+        """The index of the parameter ``tensor`` is, or is a view of; None if it is none of them."""
+        spans = self._spans.get(storage_key(tensor))
+        if spans is None:
+            return None
+        starts, ends, indices = spans
+        offset = tensor.storage_offset()
+        k = bisect.bisect_right(starts, offset) - 1
+        return indices[k] if k >= 0 and offset < ends[k] else None
+
     def gather_order(self) -> list[int]:
-        """Every part, in the order the first forward first used its parameters ([Note: gathered in parts])."""
-        return self.plan.order(self.reads.first_use)
+        """The buckets in the order the first forward first used them, then the rest (later buckets first)."""
+        bucket_of, count = self.buckets.bucket_of, len(self.flats)
+        used = list(dict.fromkeys(bucket_of[i] for i in self._first_use))
+        return used + [b for b in reversed(range(count)) if b not in used]
 
     def _compute_waits(self) -> None:
-        self._waits = {m: self.plan.parts_of(self.reads.wanted(m)) for m in self.reads.hooked}
+        """Each module's hook waits for the buckets of its own parameters and those its code read; a module
+        the first forward did not run (or before it ran) waits for every parameter below it."""
+        bucket_of, reads = self.buckets.bucket_of, self._reads
+        waits = {}
+        for module, below in self._below.items():
+            if below:
+                read = below if reads is None or module not in reads else self._own[module] | reads[module]
+                waits[module] = sorted({bucket_of[i] for i in read})
+        self._waits = waits
 
     # ------------------------------------------------------------------ gathers
     def start(self, order: Iterable[int]) -> None:
-        """Start the all-gathers of these parts, in ``order`` (the same on every rank)."""
-        size = self.layout.shard_numel
-        for part in order:
-            b, lo, hi = self.plan.parts[part]
-            self.pending[part] = start_all_gather_part(self.flats[b], size[b], lo, hi, self.gather_group)
-
-    def start_bucket(self, b: int) -> None:
-        self.start(self.plan.bucket_order(b))
+        """Start every bucket's all-gather, in ``order`` (the same on every rank)."""
+        for b in order:
+            self.pending[b] = start_all_gather(self.flats[b], self.own_range(b), self.gather_group)
 
     def guard_in_flight(self) -> bool:
         """Watch the buckets in flight until they are waited for (stale_guard.py); False where that cannot be."""
         if not self.pending:
             return True
-        buckets = {self.plan.parts[part].bucket for part in self.pending}
-        return self.guard.arm({storage_key(self.flats[b]): b for b in buckets})
+        return self.guard.arm({storage_key(self.flats[b]): b for b in self.pending})
 
     def gather_now(self, order: Iterable[int]) -> None:
-        """Every bucket's all-gather (``order``: of parts), one bucket after the other: gloo allocates a
-        temporary as large as a bucket for each gather it runs (two at a time), so when nothing is to
-        overlap them, one."""
-        for b in dict.fromkeys(self.plan.parts[part].bucket for part in order):
+        """Every bucket's all-gather, one after the other: gloo allocates a temporary as large as a
+        bucket for each gather it runs (two at a time), so when nothing is to overlap them, one."""
+        for b in order:
             start_all_gather(self.flats[b], self.own_range(b), self.gather_group).wait()
 
-    def wait(self, part: int) -> None:
-        """Until that part is whole here; a gather that failed raises, now and at every later wait."""
-        if part in self.failed:
-            raise self.failed[part]
-        work = self.pending.pop(part, None)
+    def wait(self, b: int) -> None:
+        """Until bucket ``b``'s parameters are whole here; a gather that failed raises, now and at every later wait."""
+        if b in self.failed:
+            raise self.failed[b]
+        work = self.pending.pop(b, None)
         if work is None:
             return
         try:
             work.wait()
         except Exception as error:  # the guard keeps watching the bucket: every later read raises too
-            self.failed[part] = self._gather_failed(self.plan.parts[part].bucket, error)
-            raise self.failed[part] from error
-        b = self.plan.parts[part].bucket
-        if not any(self.plan.parts[p].bucket == b for p in self.pending):
-            self.guard.forget(storage_key(self.flats[b]))
-
-    def wait_bucket(self, bucket: int) -> None:
-        """Until every part of ``bucket`` is whole here (the guard, a bucket about to be stepped)."""
-        for part in self.plan.of_bucket[bucket]:
-            self.wait(part)
+            self.failed[b] = self._gather_failed(b, error)
+            raise self.failed[b] from error
+        self.guard.forget(storage_key(self.flats[b]))
 
     def wait_all(self) -> None:
-        for part in [*self.failed, *self.pending]:
-            self.wait(part)
+        for b in [*self.failed, *self.pending]:
+            self.wait(b)
         self.guard.disarm()
 
     def wait_all_ignoring(self, *args: Any) -> None:
         """Before a state dict is loaded into the parameters: whatever failed to arrive is overwritten now."""
-        for part in list(self.pending):
+        for b in list(self.pending):
             try:
-                self.wait(part)
+                self.wait(b)
             except RuntimeError:
                 pass
         self.failed = {}
@@ -197,27 +210,43 @@ class ParamBuffers:
     # ------------------------------------------------------------------ the forward
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
         self.guard.disarm()  # from here the module hooks wait, each for what its module reads
-        self.reads.forward_starts(module)
+        # A forward with autograd recording, so that the record can be checked against the graph.
+        if self._reads is None and self._learnable and not self._recording and torch.is_grad_enabled():
+            self._recording = self._recorder.start(module)
 
     def _before_module(self, module: nn.Module, args: Any) -> None:
-        if self.pending or self.failed:
-            for part in self._waits.get(module, ()):
-                self.wait(part)
+        if self.pending:
+            for b in self._waits.get(module, ()):
+                self.wait(b)
 
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.reads.forward_ends(output):
-            self._compute_waits()
+        if self._recording:
+            self._recording = False
+            # A forward that raised (no output) leaves a partial record: learn in the next one instead.
+            if self._recorder.stop() and output is not None:
+                self._learn(output)
         self.wait_all()  # what this forward did not use (unused parameters): nothing else waits for it
+
+    def _learn(self, output: Any) -> None:
+        """Take the record, if it saw every parameter the forward used; else (compiled code ran where the
+        record cannot see) never: each module keeps waiting for everything below it."""
+        used = reachable_leaves(output_grad_fns(output))
+        seen = self._recorder.first_use
+        if any(id(param) in used and i not in seen for i, param in enumerate(self.params)):
+            self._learnable = False
+            return
+        self._reads, self._first_use = self._recorder.reads, list(seen)
+        self._compute_waits()
 
     def _compact_state_dict(self, module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
         """Parameters are saved as tensors of their own, not as views of a flat buffer ([Note:
         parameters gathered in place]); ``keep_vars=True`` callers (who copy into them) get them as they are."""
         self.wait_all()
-        flats = {storage_key(flat) for flat in self.flats}
+        flats = {flat.untyped_storage().data_ptr() for flat in self.flats}
         for key, value in state.items():
             if isinstance(value, nn.Parameter) or not isinstance(value, torch.Tensor):
                 continue
-            if storage_key(value) in flats:
+            if value.untyped_storage().data_ptr() in flats:
                 state[key] = value.clone(memory_format=torch.preserve_format)
 
     def remove_hooks(self) -> None:

@@ -197,11 +197,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             return  # stepped in step(), alongside a joined rank's shadow step
         if self._engine.buckets is not self._buckets:
             self._check_engine()
-        self._params.wait_bucket(b)  # an all-gather of the last step may still be writing these parameters
+        self._params.wait(b)  # an all-gather of the last step may still be writing these parameters
         # The first bucket of this backward takes the hyper-parameters (LR schedulers changed them).
         self._shards.step_bucket(b, self._shard_grad, self._backward_step.hyperparameters(self.param_groups))
         self._reduction.consumed_bucket(b)
-        self._params.start_bucket(b)
+        self._params.start([b])
         self._backward_step.owed = self._stepped = True
 
     def _step_shards(self, from_shards: bool) -> None:
@@ -317,7 +317,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 self._load_piece_state(exchange(state, old, new, self._group, self._engine.buckets.device))
 
     def _gather_order(self) -> list[int]:
-        """The parts in the order the first forward used them, rank 0's (every rank must gather alike)."""
+        """The buckets in the order the first forward used them, rank 0's (every rank must gather alike)."""
         if self._order is None:
             local = self._params.gather_order()
             device = self._engine.buckets.device

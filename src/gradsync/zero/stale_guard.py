@@ -29,8 +29,8 @@ from .dispatch_modes import ScopedMode, storage_key, tensors_in
 
 
 class Gathers(Protocol):
-    def wait_bucket(self, bucket: int) -> None:
-        """Until that bucket's all-gathers are done and its parameters whole."""
+    def wait(self, bucket: int) -> None:
+        """Until that bucket's all-gather is done and its parameters whole."""
 
 
 class StaleGuard(ScopedMode):
@@ -72,5 +72,5 @@ class StaleGuard(ScopedMode):
                 bucket = self.watched.get(storage_key(tensor))
                 if bucket is not None:
                     self.waits += 1
-                    gathers.wait_bucket(bucket)
+                    gathers.wait(bucket)
         return func(*args, **kwargs)
