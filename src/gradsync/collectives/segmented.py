@@ -11,15 +11,20 @@ all-gather 77-93 ms, so reduce-scatter plus all-gather took 209 ms where gloo's 
 bytes, in lockstep chunks) takes 120. Sent in 256 KiB segments with at most two of them per peer
 on the wire, the reduce-scatter takes 62 ms and the all-gather 60 ms: 122 ms together.
 
-So on CPU (gloo) the reduce-scatter, and at two ranks the all-gather, are ``isend``/``irecv``
-pairs, a segment to and from every peer at a time, issued by a thread of the process group's own
-(``Exchanger``): the next segment must go out as the one before arrives while backward computes,
-and one thread per group keeps the exchanges in the order they were started, which every rank
-shares (point-to-point messages between two ranks are matched in the order they were sent). The
-thread waits in C++ without the GIL. Above two ranks gloo's ring all-gather, which sends each
-step's chunk to one neighbour, measured faster in training than this exchange with every peer
-(step 121 vs 142 ms at 4 ranks, 4 processes on 2 cores), so it stays; the reduce-scatter measured
-94-96 ms against ``all_to_all_single``'s 112-139 ms alone, the same in training.
+So on CPU (gloo) the reduce-scatter and the all-gather are ``isend``/``irecv`` pairs, a segment
+to and from every peer at a time, issued by a thread of the process group's own (``Exchanger``):
+the next segment must go out as the one before arrives while backward computes, and one thread
+per group keeps the exchanges in the order they were started, which every rank shares
+(point-to-point messages between two ranks are matched in the order they were sent). The thread
+waits in C++ without the GIL. The reduce-scatter measured 94-96 ms against ``all_to_all_single``'s
+112-139 ms alone, the same in training. Above two ranks gloo's ring all-gather, which sends each
+step's chunk to one neighbour, measured faster when a step waited for its gathers (step 121 vs 142
+ms at 4 ranks, 4 processes on 2 cores); but it allocates a temporary as large as its output, one
+per gather running, and the step's gathers overlap the next forward: all started at once, they
+held 1.06x stage 2's memory target at 3-4 ranks, where the exchange (received in place) holds
+1.004-1.006x, and overlapped it trained at 0.994 [0.965, 1.038] of gradsync DDP at 4 ranks against
+the ring's 1.033 [0.995, 1.083] (2026-12-02-zero-*-peers.md). So the exchange is the all-gather at
+every size.
 """
 
 from __future__ import annotations

@@ -141,8 +141,7 @@ def start_all_gather(
 
 def _gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Any:
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    # Above two ranks gloo's ring all-gather measured faster: [Note: exchanges in segments].
-    if not SEGMENTED or output.device.type != "cpu" or world_size > 2:
+    if not SEGMENTED or output.device.type != "cpu":  # in place at any size: [Note: exchanges in segments]
         return _all_gather(output, shard, group=group, async_op=True)
     receives = output.view(world_size, -1)
     own = receives[rank]

@@ -345,9 +345,9 @@ class ReduceScatter(Reduction):
 class _GatherWhenWaited:
     """ZeRO-1's all-gather of one bucket's shards, started only when ``write_back`` waits for it.
 
-    gloo's all-gather allocates a temporary as large as its output on its worker thread, one per
-    gather in flight (two threads: two buckets); one at a time keeps that to one bucket, at the
-    cost of the small gap between two gathers at the end of backward.
+    A gather sent in a low precision (``mixed_precision``, a cast hook) receives into a temporary
+    as large as its output; one at a time keeps that to one bucket, at the cost of the small gap
+    between two gathers at the end of backward.
     """
 
     __slots__ = ("flat", "shard", "group", "wire_dtype")

@@ -162,10 +162,10 @@ class ParamBuffers:
         return self.guard.arm({storage_key(self.flats[b]): b for b in self.pending})
 
     def gather_now(self, order: Iterable[int]) -> None:
-        """Every bucket's all-gather, one after the other: gloo allocates a temporary as large as a
-        bucket for each gather it runs (two at a time), so when nothing is to overlap them, one."""
-        for b in order:
-            start_all_gather(self.flats[b], self.own_range(b), self.gather_group).wait()
+        """Every bucket's all-gather, waited for here (received in place: nothing is allocated for them)."""
+        works = [start_all_gather(self.flats[b], self.own_range(b), self.gather_group) for b in order]
+        for work in works:
+            work.wait()
 
     def wait(self, b: int) -> None:
         """Until bucket ``b``'s parameters are whole here; a gather that failed raises, now and at every later wait."""
