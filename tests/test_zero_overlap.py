@@ -16,6 +16,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -408,3 +409,28 @@ def test_a_compiled_model_trains_like_the_eager_reference(where: str) -> None:
     for result in run_distributed(_compiled, 2, where, timeout_s=200):
         assert result["graphs"] > 0, result
         assert result["identical"] and result["difference"] <= 1e-6, result
+
+
+def _another_model_after_a_run() -> dict:
+    """A run ends with its gathers in flight and nobody reads its parameters again (the optimizer lives on);
+    another model trains next: the first guard leaves the stack once its gathers arrived."""
+    first, first_optimizer, _, _ = _pair("attention")
+    for step in range(2):
+        _step(first, first_optimizer, step)
+    armed = torch._C._len_torch_dispatch_stack()
+    first_optimizer._params.pending[next(iter(first_optimizer._params.pending))].wait()  # arrived, not taken
+    time.sleep(0.5)
+    second, second_optimizer, _, _ = _pair("reads_ahead")
+    depths = []
+    for step in range(3):
+        _step(second, second_optimizer, step)
+        with torch.no_grad():
+            second(torch.zeros(4, 16))
+        depths.append(torch._C._len_torch_dispatch_stack())
+    first_optimizer.wait_for_params()
+    return {"armed": armed, "depths": depths}
+
+
+def test_a_finished_runs_guard_does_not_stay_on_the_stack() -> None:
+    for result in run_distributed(_another_model_after_a_run, 2):
+        assert result["armed"] == 1 and result["depths"] == [0, 0, 0], result

@@ -123,6 +123,9 @@ class PendingGather:
         self.work.wait()
         self.output.copy_(self.received)
 
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
 
 def start_all_gather(
     output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, wire_dtype: torch.dtype | None = None

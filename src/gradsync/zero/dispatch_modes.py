@@ -43,10 +43,6 @@ class ScopedMode(TorchDispatchMode):
         self.thread: int | None = None  # the thread whose stack holds this mode, while it does
 
     @property
-    def on_stack(self) -> bool:
-        return self.thread is not None
-
-    @property
     def idle(self) -> bool:
         """Whether its work is over, so that it may leave the stack."""
         return True

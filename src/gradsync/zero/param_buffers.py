@@ -79,7 +79,7 @@ class ParamBuffers:
         self._reads: dict[nn.Module, set[int]] | None = None
         self._first_use: list[int] = []
         self._waits: dict[nn.Module, list[int]] = {}  # module -> the buckets its forward pre-hook waits for
-        self._recorder = DirectReads([m for m in modules if self._below[m]], self.locate)
+        self._recorder = DirectReads([m for m in modules if self._below[m]], weakref.WeakMethod(self.locate))
         self._recording = False
         self._learnable = True  # False once a record missed a parameter the forward used (compiled code)
         # Hooks hold this object weakly: a deepcopy of the module (an EMA copy, say) copies the hook
@@ -180,6 +180,19 @@ class ParamBuffers:
             self.failed[b] = self._gather_failed(b, error)
             raise self.failed[b] from error
         self.guard.forget(storage_key(self.flats[b]))
+
+    def settled(self) -> bool:
+        """Whether every gather in flight has arrived (then taken as waited for) and none failed; never blocks."""
+        for b in list(self.pending):
+            work = self.pending[b]
+            if not work.is_completed():
+                return False
+            try:
+                work.wait()
+            except Exception as error:
+                self.failed[b] = self._gather_failed(b, error)
+            del self.pending[b]
+        return not self.failed
 
     def wait_all(self) -> None:
         for b in [*self.failed, *self.pending]:

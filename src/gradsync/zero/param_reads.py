@@ -22,7 +22,7 @@ itself only in a branch its first forward did not take is the one case left to
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
 from typing import Any
 
 import torch
@@ -34,10 +34,11 @@ from .dispatch_modes import ScopedMode, tensors_in
 class DirectReads(ScopedMode):
     """One forward's record: the parameters each module's code read itself, and their first-use order."""
 
-    def __init__(self, modules: list[nn.Module], locate: Callable[[torch.Tensor], int | None]) -> None:
+    def __init__(self, modules: list[nn.Module], locate: weakref.WeakMethod) -> None:
         super().__init__()
         self.modules = modules
-        self.locate = locate  # tensor -> index of the parameter it is (a view of), or None
+        # tensor -> index of the parameter it is (a view of), or None; weakly: its owner holds this record
+        self.locate = locate
         self.running: list[nn.Module] = []  # the modules whose forward runs now, innermost last
         self.reads: dict[nn.Module, set[int]] = {}  # module that ran -> parameters its own code read
         self.first_use: dict[int, None] = {}  # parameters in the order the forward first touched them
@@ -76,10 +77,11 @@ class DirectReads(ScopedMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.running:
+        locate = self.locate() if self.running else None
+        if locate is not None:
             reader = self.reads[self.running[-1]]
             for tensor in tensors_in(args, kwargs):
-                param = self.locate(tensor)
+                param = locate(tensor)
                 if param is not None:
                     self.first_use.setdefault(param)
                     reader.add(param)

@@ -32,6 +32,9 @@ class Gathers(Protocol):
     def wait(self, bucket: int) -> None:
         """Until that bucket's all-gather is done and its parameters whole."""
 
+    def settled(self) -> bool:
+        """Whether every all-gather in flight has arrived, whole (nothing is left to guard)."""
+
 
 class StaleGuard(ScopedMode):
     """Waits for a bucket's all-gather before any operator touches its storage, while armed."""
@@ -44,7 +47,10 @@ class StaleGuard(ScopedMode):
 
     @property
     def idle(self) -> bool:
-        return not self.watched or self.gathers() is None
+        """Nothing to watch: disarmed, the optimizer is gone, or every gather arrived though none was waited for
+        (the last step of a run, then another model: the guard must not stay on the stack for good)."""
+        gathers = self.gathers()
+        return not self.watched or gathers is None or gathers.settled()
 
     def arm(self, watched: dict[int, int]) -> bool:
         """Watch these buckets' storages; False where the mode cannot be pushed (the caller waits instead)."""
