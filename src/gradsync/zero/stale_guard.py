@@ -13,7 +13,9 @@ for that bucket first. ``.data`` and ``detach`` are operators too, so ``numpy()`
 threads, and reading memory behind torch's back (``tolist()``, ``data_ptr()``, ``untyped_storage()``).
 
 The mode costs a Python call per operator while it is on the stack, so it leaves when the next
-forward starts (the module hooks take over) or when nothing is in flight any more. torch.compile
+forward starts (the module hooks take over) or when nothing is in flight any more: at the next
+gradsync call outside its handler (a forward of the model, a step, ``wait_for_params``, a state
+dict, another optimizer's step), since a mode cannot leave from inside its own handler. torch.compile
 runs a compiled function eagerly while a mode is on the stack, so one called in that window is
 exact but not compiled. The mode is never pushed over a mode that is not gradsync's ([Note: a
 mode pushed outside a with block] in dispatch_modes.py): then ``arm`` says so and the step waits
