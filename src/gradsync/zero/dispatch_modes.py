@@ -78,11 +78,10 @@ def sweep() -> None:
     """Pop the idle modes of ours from the top of this thread's stack (not from inside a handler of ours:
     there the top is the mode below it)."""
     here = threading.get_ident()
-    if compiled_call_running():
-        return
     while True:
         top = _get_current_dispatch_mode()
-        if not isinstance(top, ScopedMode) or top.thread != here or not top.idle:
+        # The stack walk last: this runs after every forward, mostly with nothing of ours on the stack.
+        if not isinstance(top, ScopedMode) or top.thread != here or not top.idle or compiled_call_running():
             return
         top.__exit__(None, None, None)
         top.thread = None

@@ -42,11 +42,10 @@ from torch import nn
 
 from ..collectives.sharded import start_all_gather
 from ..engine.bucket_set import BucketSet
-from ..engine.graph import output_grad_fns, reachable_leaves
 from ..engine.sharding import ShardLayout
 from ..engine.storage import make_view
 from .dispatch_modes import storage_key
-from .param_reads import DirectReads
+from .param_reads import ModuleReads
 from .stale_guard import StaleGuard
 
 
@@ -71,17 +70,9 @@ class ParamBuffers:
         self.pending: dict[int, Any] = {}  # bucket -> its all-gather in flight
         self.failed: dict[int, RuntimeError] = {}  # bucket -> why its last all-gather failed (it is not whole)
         self._spans: dict[int, tuple[list[int], list[int], list[int]]] = {}  # storage -> starts, ends, params
-        index = {id(p): i for i, p in enumerate(params)}
-        modules = list(module.modules())
-        self._own = {m: {index[id(p)] for p in m.parameters(recurse=False) if id(p) in index} for m in modules}
-        self._below = {m: {index[id(p)] for p in m.parameters() if id(p) in index} for m in modules}
-        # Learned in the first forward ([Note: what a module's forward reads] in param_reads.py).
-        self._reads: dict[nn.Module, set[int]] | None = None
-        self._first_use: list[int] = []
+        # What each module reads, learned in the first forward ([Note: what a module's forward reads]).
+        self.reads = ModuleReads(module, params, weakref.WeakMethod(self.locate))
         self._waits: dict[nn.Module, list[int]] = {}  # module -> the buckets its forward pre-hook waits for
-        self._recorder = DirectReads([m for m in modules if self._below[m]], weakref.WeakMethod(self.locate))
-        self._recording = False
-        self._learnable = True  # False once a record missed a parameter the forward used (compiled code)
         # Hooks hold this object weakly: a deepcopy of the module (an EMA copy, say) copies the hook
         # functions as they are, and a copy's modules are simply not found here.
         this = weakref.ref(self)
@@ -91,7 +82,7 @@ class ParamBuffers:
             module.register_forward_hook(weakly(this, "_forward_ends"), always_call=True),
         ]
         before_module = weakly(this, "_before_module")
-        self._handles += [m.register_forward_pre_hook(before_module) for m in modules if self._below[m]]
+        self._handles += [m.register_forward_pre_hook(before_module) for m in self.reads.hooked]
         self._handles.append(module._register_state_dict_hook(weakly(this, "_compact_state_dict")))
         # Loading a state dict writes the parameters: no gather may land on them afterwards.
         self._handles.append(module._register_load_state_dict_pre_hook(weakly(this, "wait_all_ignoring")))
@@ -135,19 +126,12 @@ class ParamBuffers:
     def gather_order(self) -> list[int]:
         """The buckets in the order the first forward first used them, then the rest (later buckets first)."""
         bucket_of, count = self.buckets.bucket_of, len(self.flats)
-        used = list(dict.fromkeys(bucket_of[i] for i in self._first_use))
+        used = list(dict.fromkeys(bucket_of[i] for i in self.reads.first_use))
         return used + [b for b in reversed(range(count)) if b not in used]
 
     def _compute_waits(self) -> None:
-        """Each module's hook waits for the buckets of its own parameters and those its code read; a module
-        the first forward did not run (or before it ran) waits for every parameter below it."""
-        bucket_of, reads = self.buckets.bucket_of, self._reads
-        waits = {}
-        for module, below in self._below.items():
-            if below:
-                read = below if reads is None or module not in reads else self._own[module] | reads[module]
-                waits[module] = sorted({bucket_of[i] for i in read})
-        self._waits = waits
+        bucket_of = self.buckets.bucket_of
+        self._waits = {m: sorted({bucket_of[i] for i in self.reads.wanted(m)}) for m in self.reads.hooked}
 
     # ------------------------------------------------------------------ gathers
     def start(self, order: Iterable[int]) -> None:
@@ -174,25 +158,27 @@ class ParamBuffers:
         work = self.pending.pop(b, None)
         if work is None:
             return
-        try:
-            work.wait()
-        except Exception as error:  # the guard keeps watching the bucket: every later read raises too
-            self.failed[b] = self._gather_failed(b, error)
-            raise self.failed[b] from error
+        self._take(b, work)  # the guard keeps watching a bucket that failed: every later read raises too
         self.guard.forget(storage_key(self.flats[b]))
 
     def settled(self) -> bool:
         """Whether every gather in flight has arrived (then taken as waited for) and none failed; never blocks."""
         for b in list(self.pending):
-            work = self.pending[b]
-            if not work.is_completed():
+            if not self.pending[b].is_completed():
                 return False
             try:
-                work.wait()
-            except Exception as error:
-                self.failed[b] = self._gather_failed(b, error)
-            del self.pending[b]
+                self._take(b, self.pending.pop(b))
+            except RuntimeError:
+                pass
         return not self.failed
+
+    def _take(self, b: int, work: Any) -> None:
+        """Wait for bucket ``b``'s gather ``work``; a failure is kept (and raised) as the error that names it."""
+        try:
+            work.wait()
+        except Exception as error:
+            self.failed[b] = self._gather_failed(b, error)
+            raise self.failed[b] from error
 
     def wait_all(self) -> None:
         for b in [*self.failed, *self.pending]:
@@ -223,9 +209,7 @@ class ParamBuffers:
     # ------------------------------------------------------------------ the forward
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
         self.guard.disarm()  # from here the module hooks wait, each for what its module reads
-        # A forward with autograd recording, so that the record can be checked against the graph.
-        if self._reads is None and self._learnable and not self._recording and torch.is_grad_enabled():
-            self._recording = self._recorder.start(module)
+        self.reads.forward_starts(module)
 
     def _before_module(self, module: nn.Module, args: Any) -> None:
         if self.pending:
@@ -233,23 +217,9 @@ class ParamBuffers:
                 self.wait(b)
 
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._recording:
-            self._recording = False
-            # A forward that raised (no output) leaves a partial record: learn in the next one instead.
-            if self._recorder.stop() and output is not None:
-                self._learn(output)
+        if self.reads.forward_ends(output):
+            self._compute_waits()
         self.wait_all()  # what this forward did not use (unused parameters): nothing else waits for it
-
-    def _learn(self, output: Any) -> None:
-        """Take the record, if it saw every parameter the forward used; else (compiled code ran where the
-        record cannot see) never: each module keeps waiting for everything below it."""
-        used = reachable_leaves(output_grad_fns(output))
-        seen = self._recorder.first_use
-        if any(id(param) in used and i not in seen for i, param in enumerate(self.params)):
-            self._learnable = False
-            return
-        self._reads, self._first_use = self._recorder.reads, list(seen)
-        self._compute_waits()
 
     def _compact_state_dict(self, module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
         """Parameters are saved as tensors of their own, not as views of a flat buffer ([Note:
@@ -261,12 +231,6 @@ class ParamBuffers:
                 continue
             if value.untyped_storage().data_ptr() in flats:
                 state[key] = value.clone(memory_format=torch.preserve_format)
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self.wait_all()
 
 
 def extent(view: torch.Tensor) -> int:

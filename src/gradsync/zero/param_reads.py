@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.graph import output_grad_fns, reachable_leaves
 from .dispatch_modes import ScopedMode, tensors_in
 
 
@@ -86,3 +87,48 @@ class DirectReads(ScopedMode):
                     self.first_use.setdefault(param)
                     reader.add(param)
         return func(*args, **kwargs)
+
+
+class ModuleReads:
+    """Which parameters each module's forward pre-hook waits for: its own and those its code read, once a
+    forward's record was taken; everything below it before that, or for a module that did not run then."""
+
+    def __init__(self, module: nn.Module, params: list[torch.Tensor], locate: weakref.WeakMethod) -> None:
+        index = {id(p): i for i, p in enumerate(params)}
+        modules = list(module.modules())
+        self.params = params  # by engine index
+        self.own = {m: {index[id(p)] for p in m.parameters(recurse=False) if id(p) in index} for m in modules}
+        self.below = {m: {index[id(p)] for p in m.parameters() if id(p) in index} for m in modules}
+        self.hooked = [m for m in modules if self.below[m]]  # the modules whose pre-hook may wait
+        self.read: dict[nn.Module, set[int]] | None = None  # the record, once taken
+        self.first_use: list[int] = []  # parameters in the order the recorded forward first touched them
+        self.learnable = True  # False once a record missed a parameter the forward used (compiled code)
+        self._recorder = DirectReads(self.hooked, locate)
+        self._recording = False
+
+    def wanted(self, module: nn.Module) -> set[int]:
+        if self.read is None or module not in self.read:
+            return self.below[module]
+        return self.own[module] | self.read[module]
+
+    def forward_starts(self, root: nn.Module) -> None:
+        # A forward with autograd recording, so that the record can be checked against the graph.
+        if self.read is None and self.learnable and not self._recording and torch.is_grad_enabled():
+            self._recording = self._recorder.start(root)
+
+    def forward_ends(self, output: Any) -> bool:
+        """Whether this forward's record was taken (then the waits change)."""
+        if not self._recording:
+            return False
+        self._recording = False
+        # A forward that raised (no output) leaves a partial record: learn in the next one instead.
+        if not self._recorder.stop() or output is None:
+            return False
+        # Compiled code runs where the record cannot see: if it missed a parameter, never learn.
+        used = reachable_leaves(output_grad_fns(output))
+        seen = self._recorder.first_use
+        if any(id(param) in used and i not in seen for i, param in enumerate(self.params)):
+            self.learnable = False
+            return False
+        self.read, self.first_use = self._recorder.reads, list(seen)
+        return True
