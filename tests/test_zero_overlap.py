@@ -434,3 +434,49 @@ def _another_model_after_a_run() -> dict:
 def test_a_finished_runs_guard_does_not_stay_on_the_stack() -> None:
     for result in run_distributed(_another_model_after_a_run, 2):
         assert result["armed"] == 1 and result["depths"] == [0, 0, 0], result
+
+
+class FailingGather:
+    def wait(self) -> None:
+        raise RuntimeError("a gather that broke off")
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _forward_after_a_failed_gather() -> dict:
+    """A gather failed and a read between step() and the forward saw it; the forward raises the same error
+    before a module computes with the bucket, not only at its end."""
+    ddp, sharded, _, _ = _pair("attention")
+    _step(ddp, sharded, 0)
+    real = param_buffers.start_all_gather
+    param_buffers.start_all_gather = lambda *args: FailingGather()
+    try:
+        _step(ddp, sharded, 1)
+    finally:
+        param_buffers.start_all_gather = real
+    errors = []
+    for param in ddp.module.parameters():  # every bucket's failure seen: none is in flight any more
+        try:
+            param.sum()
+        except RuntimeError as error:
+            errors.append(str(error))
+    in_flight = len(sharded._params.pending)
+    computed = []
+    handle = ddp.module.head.register_forward_hook(lambda *_: computed.append(True))
+    rank, world = rank_world()
+    try:
+        with torch.no_grad():
+            ddp(shard(global_batch("mlp", world, 2)[0], rank, world))
+    except RuntimeError as error:
+        errors.append(str(error))
+    handle.remove()
+    sharded._params.wait_all_ignoring()  # as a state dict loaded next would
+    return {"errors": errors, "head_computed": bool(computed), "in_flight": in_flight}
+
+
+def test_a_failed_gather_raises_before_a_module_uses_it() -> None:
+    for result in run_distributed(_forward_after_a_failed_gather, 2):
+        assert result["in_flight"] == 0 and len(result["errors"]) > 1, result
+        assert all("a gather that broke off" in e for e in result["errors"]), result
+        assert not result["head_computed"], result

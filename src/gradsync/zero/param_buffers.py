@@ -212,7 +212,7 @@ class ParamBuffers:
         self.reads.forward_starts(module)
 
     def _before_module(self, module: nn.Module, args: Any) -> None:
-        if self.pending:
+        if self.pending or self.failed:  # a bucket whose gather failed raises before a module computes with it
             for b in self._waits.get(module, ()):
                 self.wait(b)
 
