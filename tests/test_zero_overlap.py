@@ -257,6 +257,55 @@ def test_by_default_step_returns_with_the_gathers_in_flight() -> None:
         assert all(seen == (result["buckets"], 1, 0, 0) for seen in result["seen"]), result
 
 
+class DecayingSGD(torch.optim.Optimizer):
+    """Elementwise, but its learning rate falls with the number of ``step`` calls: stepped in parts, it would
+    decay once per bucket instead of once per step."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self.calls += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / self.calls)
+
+
+def _steps_of(optimizer_class: type, elementwise: bool | None) -> dict:
+    torch.manual_seed(0)
+    model = MODELS["attention"]()
+    reference_model = copy.deepcopy(model)
+    # find_unused_parameters: no bucket rebuild, which would build the inner optimizer anew (its count with it)
+    options = {"bucket_cap_mb": CAPS, "find_unused_parameters": True}
+    ddp, reference = DDP(model, **options), DDP(reference_model, **options)
+    sharded = ShardedOptimizer(ddp, optimizer_class, elementwise=elementwise, lr=0.1)
+    plain = optimizer_class(reference_model.parameters(), lr=0.1)
+    for wrapper, optimizer in ((ddp, sharded), (reference, plain)):
+        for step in range(4):
+            _step(wrapper, optimizer, step)
+    sharded.wait_for_params()
+    return {
+        "difference": max_relative_difference(ddp.module, reference.module),
+        "identical": identical_across_ranks(ddp.module),
+        "buckets": len(ddp.engine.buckets.storages),
+    }
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "decaying_sgd"])
+def test_stepping_bucket_by_bucket_is_one_step(optimizer: str) -> None:
+    """With the gathers overlapped, the shards are stepped bucket by bucket, each bucket's gather leaving once
+    it is stepped ([Note: gathers that leave as buckets are stepped]): torch's elementwise optimizers give
+    the parameters of one step over everything; one vouched for with ``elementwise=True`` (which may count
+    its calls) is stepped in one call."""
+    args = (torch.optim.AdamW, None) if optimizer == "adamw" else (DecayingSGD, True)
+    for result in run_distributed(_steps_of, 2, *args):
+        assert result["buckets"] >= 3, result
+        assert result["identical"] and result["difference"] <= 1e-6, result
+
+
 class CountingMode(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()

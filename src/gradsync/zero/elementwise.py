@@ -41,6 +41,16 @@ def check_elementwise(optimizer_class: type, declared: bool | None) -> None:
         )
 
 
+def steps_in_parts(optimizer_class: type) -> bool:
+    """Whether stepping some of its parameters, then the rest, is exactly one step over all of them.
+
+    torch's built-in elementwise optimizers (their own ``step``) keep all state per parameter, so
+    each call updates just the parameters listed. A class vouched for with ``elementwise=True`` may
+    count its calls (a global step, a schedule inside ``step``): it is stepped in one call.
+    """
+    return issubclass(optimizer_class, ELEMENTWISE) and optimizer_class.step is _base_step(optimizer_class)
+
+
 def _base_step(optimizer_class: type) -> object:
     """The ``step`` of the built-in class it derives from: a subclass that overrides ``step`` is not vouched for."""
     base = next(cls for cls in optimizer_class.__mro__ if cls in ELEMENTWISE)

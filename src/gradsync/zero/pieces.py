@@ -17,6 +17,7 @@ import torch
 
 from ..engine.sharding import Piece
 from .backward_step import step_pieces
+from .elementwise import steps_in_parts
 from .state_exchange import PieceState
 
 GradOf = Callable[[Piece], "torch.Tensor | None"]  # a piece's gradient, or None: not stepped
@@ -38,6 +39,7 @@ class PieceOptimizer:
         self.group_of: list[int | None] = []  # per piece: its param group
         self.by_bucket: list[list[int]] = []  # per bucket: its pieces (indices)
         self.inner: torch.optim.Optimizer | None = None
+        self.in_parts = steps_in_parts(optimizer_class)  # may be stepped bucket by bucket (step_in_order)
 
     def build(
         self, pieces: list[Piece], own_range: Callable[[int], torch.Tensor], buckets: int, state: PieceState
@@ -74,6 +76,20 @@ class PieceOptimizer:
         self._bind(grad_of, indices)
         self.inner.step()
         self._unbind(indices)
+
+    def step_in_order(self, order: list[int], grad_of: GradOf, after_bucket: Callable[[int], None]) -> None:
+        """Every bucket's pieces, bucket by bucket in ``order``, calling ``after_bucket(b)`` after each.
+
+        The same update as ``step`` (``in_parts``: each piece's state is its own), but the all-gather
+        ``after_bucket`` starts for the first bucket the next forward needs leaves while the rest
+        are stepped, instead of after all of them ([Note: gathers that leave as buckets are stepped]
+        in sharded_optimizer.py).
+        """
+        hyperparameters: list[dict[str, Any]] | None = [_values(group) for group in self.param_groups]
+        for b in order:
+            self.step_bucket(b, grad_of, hyperparameters)
+            hyperparameters = None  # the first bucket set them for this step
+            after_bucket(b)
 
     def step_bucket(self, b: int, grad_of: GradOf, hyperparameters: list[dict[str, Any]] | None) -> None:
         """Bucket ``b``'s pieces alone; ``hyperparameters`` (per group) first, unless None (kept)."""
