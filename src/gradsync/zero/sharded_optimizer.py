@@ -80,7 +80,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         **defaults: Any,
     ) -> None:
         """``params``: all of ``ddp``'s parameters, or torch's param-group dicts over them.
-        ``elementwise``: vouch for an optimizer class gradsync does not know (elementwise.py).
+        ``elementwise``: vouch for an optimizer class gradsync does not know (elementwise.py): all it carries
+        between steps is per parameter, in ``self.state`` (docs/zero.md, "Which optimizers").
         ``overlap_param_gather``: the parameters' all-gathers after a step overlap the next forward
         instead of finishing inside ``step``; anything that reads a parameter before then waits for it
         ([Note: the guard over parameters in flight] in stale_guard.py). False: ``step`` waits for them.
