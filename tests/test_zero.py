@@ -374,6 +374,12 @@ def _bytes_per_step(sharded: bool) -> dict[str, int]:
     dist.broadcast = record("broadcast", originals["broadcast"], lambda t, *a: t.numel())
     dist.isend = record("send", originals["isend"], lambda t, *a: t.numel())
     dist.irecv = record("receive", originals["irecv"], lambda t, *a: t.numel())
+    # The segments go through the process group's own point-to-point calls: counted there (once each).
+    # (Restored from the class's own dict: the attribute read back is an unbound builtin, which a class
+    # attribute does not bind to its instance.)
+    group_calls = {"send": vars(dist.ProcessGroup)["send"], "recv": vars(dist.ProcessGroup)["recv"]}
+    dist.ProcessGroup.send = record("send", dist.ProcessGroup.send, lambda group, tensors, *a: tensors[0].numel())
+    dist.ProcessGroup.recv = record("receive", dist.ProcessGroup.recv, lambda group, tensors, *a: tensors[0].numel())
     sharded_collectives._all_gather = record("all_gather", gather, lambda o, i, *a: int(per_rank_send * o.numel()))
     try:
         train(ddp, optimizer, "mlp", 1)
@@ -381,6 +387,7 @@ def _bytes_per_step(sharded: bool) -> dict[str, int]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+        dist.ProcessGroup.send, dist.ProcessGroup.recv = group_calls["send"], group_calls["recv"]
         sharded_collectives._all_gather = gather
     return moved
 

@@ -82,20 +82,28 @@ def fold(pieces: Sequence[torch.Tensor], target: torch.Tensor, accumulate: bool)
     """``target`` becomes (``accumulate``: gets added) ``pieces[0] + pieces[1] + ...``, left to right.
 
     Every rank's chunk in rank order: the same bits whatever the bucket layout or the segments."""
+    rest = pieces[1:]
     if accumulate:
         target.add_(pieces[0])
+    elif rest and pieces[0].dtype == rest[0].dtype == target.dtype:
+        # One kernel for the first sum instead of a copy and an add: the same a + b. (In a lower precision
+        # on the wire the pieces are widened first: their sum must not be rounded to it.)
+        torch.add(pieces[0], rest[0], out=target)
+        rest = rest[1:]
     else:
         target.copy_(pieces[0])
-    for piece in pieces[1:]:
+    for piece in rest:
         target.add_(piece)
 
 
 class _Job:
-    """One exchange of equally long 1-D tensors, ``sends[i]`` to ``send_to[i]`` while ``receive_from[i]``'s
-    segments arrive (in ``receives[i]``, or summed on arrival by ``_ReduceScatter``)."""
+    """One exchange of equally long 1-D tensors, ``sends[i]`` to group rank ``send_to[i]`` while
+    ``receive_from[i]``'s segments arrive (in ``receives[i]``, or summed on arrival by ``_ReduceScatter``)."""
 
     def __init__(self, group: Any, peers: _Peers, sends: list[Any], length: int, keep: tuple[Any, ...]) -> None:
-        self.group, self.send_to, self.receive_from = group, peers.send_to, peers.receive_from
+        # Segments go through the group's own send and recv (group ranks), which dist.isend and dist.irecv
+        # call after checks that cost about as much as the call and hold for every segment alike.
+        self.group, self.send_to, self.receive_from = group, peers.send_order, peers.receive_order
         self.sends, self.length = sends, length
         self.step = max(1, SEGMENT_BYTES // sends[0].element_size()) if sends else 1  # elements per segment
         self.exchange = Exchange(keep)
@@ -104,12 +112,13 @@ class _Job:
         if not self.sends:
             return
         in_flight: collections.deque[tuple[int, int, int, list[Any]]] = collections.deque()
+        send, receive = self.group.send, self.group.recv
+        wire = torch.view_as_real if self.sends[0].is_complex() else _same  # as dist.isend sends complex tensors
         for k, start in enumerate(range(0, self.length, self.step)):
             stop = min(self.length, start + self.step)
-            works = [dist.isend(t[start:stop], dst, group=self.group) for t, dst in zip(self.sends, self.send_to)]
+            works = [send([wire(t[start:stop])], dst, 0) for t, dst in zip(self.sends, self.send_to)]
             works += [
-                dist.irecv(self.receive_into(i, k, start, stop), src, group=self.group)
-                for i, src in enumerate(self.receive_from)
+                receive([wire(self.receive_into(i, k, start, stop))], src, 0) for i, src in enumerate(self.receive_from)
             ]
             handles.extend(works)
             in_flight.append((k, start, stop, works))
@@ -124,6 +133,10 @@ class _Job:
     def arrived(self, k: int, start: int, stop: int, works: list[Any]) -> None:
         for work in works:
             work.wait()
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class _Gather(_Job):
@@ -196,21 +209,17 @@ class _ReduceScatter(_Job):
 
 
 class _Peers(NamedTuple):
-    """Who a rank exchanges with, step by step: step ``i`` sends to the rank ``i`` after it and receives
-    from the rank ``i`` before it, so every rank sends to a different one at a time instead of all of
-    them to rank 0 first. Orders in group ranks; ``send_to``/``receive_from`` in global ranks."""
+    """Who a rank exchanges with, step by step, in group ranks: step ``i`` sends to the rank ``i`` after it
+    and receives from the rank ``i`` before it, so every rank sends to a different one at a time instead
+    of all of them to rank 0 first."""
 
     send_order: list[int]
     receive_order: list[int]
-    send_to: list[int]
-    receive_from: list[int]
 
     @staticmethod
     def of(group: dist.ProcessGroup) -> _Peers:
         n, r = dist.get_world_size(group), dist.get_rank(group)
-        ranks = [dist.get_global_rank(group, j) for j in range(n)]
-        send_order, receive_order = [(r + i) % n for i in range(1, n)], [(r - i) % n for i in range(1, n)]
-        return _Peers(send_order, receive_order, [ranks[j] for j in send_order], [ranks[j] for j in receive_order])
+        return _Peers([(r + i) % n for i in range(1, n)], [(r - i) % n for i in range(1, n)])
 
 
 class Exchanger:
