@@ -117,7 +117,9 @@ class LateBranch(nn.Module):
 MODELS = {"attention": Attention, "reads_ahead": ReadsAhead, "late_branch": LateBranch}
 
 
-def _pair(name: str, ddp_options: dict | None = None) -> tuple[DDP, ShardedOptimizer, DDP, torch.optim.Optimizer]:
+def _pair(
+    name: str, ddp_options: dict | None = None, optimizer_class: type = torch.optim.Adam, **sharded_options: Any
+) -> tuple[DDP, ShardedOptimizer, DDP, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = MODELS[name]()
     reference_model = copy.deepcopy(model)
@@ -125,9 +127,9 @@ def _pair(name: str, ddp_options: dict | None = None) -> tuple[DDP, ShardedOptim
     ddp, reference = DDP(model, **options), DDP(reference_model, **options)
     return (
         ddp,
-        ShardedOptimizer(ddp, torch.optim.Adam, lr=1e-2),
+        ShardedOptimizer(ddp, optimizer_class, lr=1e-2, **sharded_options),
         reference,
-        torch.optim.Adam(reference_model.parameters(), lr=1e-2),
+        optimizer_class(reference_model.parameters(), lr=1e-2),
     )
 
 
@@ -261,7 +263,7 @@ class DecayingSGD(torch.optim.Optimizer):
     """Elementwise, but its learning rate falls with the number of ``step`` calls: stepped in parts, it would
     decay once per bucket instead of once per step."""
 
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
+    def __init__(self, params: Any, lr: float) -> None:
         super().__init__(params, {"lr": lr})
         self.calls = 0
 
@@ -275,14 +277,9 @@ class DecayingSGD(torch.optim.Optimizer):
 
 
 def _steps_of(optimizer_class: type, elementwise: bool | None) -> dict:
-    torch.manual_seed(0)
-    model = MODELS["attention"]()
-    reference_model = copy.deepcopy(model)
     # find_unused_parameters: no bucket rebuild, which would build the inner optimizer anew (its count with it)
-    options = {"bucket_cap_mb": CAPS, "find_unused_parameters": True}
-    ddp, reference = DDP(model, **options), DDP(reference_model, **options)
-    sharded = ShardedOptimizer(ddp, optimizer_class, elementwise=elementwise, lr=0.1)
-    plain = optimizer_class(reference_model.parameters(), lr=0.1)
+    ddp, sharded, reference, plain = _pair("attention", {"find_unused_parameters": True}, optimizer_class,
+                                           elementwise=elementwise)  # fmt: skip
     for wrapper, optimizer in ((ddp, sharded), (reference, plain)):
         for step in range(4):
             _step(wrapper, optimizer, step)

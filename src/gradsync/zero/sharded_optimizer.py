@@ -206,28 +206,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._backward_step.owed = self._stepped = True
 
     def _step_shards(self, from_shards: bool) -> None:
-        """[Note: gathers that leave as buckets are stepped]
-        With the gathers overlapping the next forward, the shards are stepped bucket by bucket in the
-        order that forward needs them, each bucket's all-gather started as soon as its shard is
-        stepped: the first bucket's parameters travel while the others are stepped, and the forward
-        no longer starts by waiting for a gather that left at the end of the step. On one link per
-        rank (2 ranks, transformer) the forward's wait for gathers went from 15-16 ms to 4 ms and the
-        step from 12 to 17 ms (the gathers share its core); against gradsync DDP in the same runs, 0.954
-        vs 0.985 on the shared link, 1.049 vs 1.044 (2 ranks) and 0.977 vs 0.996 (4) on one link per
-        rank (benchmarks/results/2026-12-02-zero-speed-*step-by-bucket.md). Optimizers that may count
-        their calls step in one call (``steps_in_parts``); a step that waits for its gathers has
-        nothing to gain.
-        """
         self._params.wait_all()  # the step writes the parameters; no gather may still be writing them
         grad_of = self._shard_grad if from_shards else self._full_grad
         # Under gradsync.elastic a step commits once its collectives completed: none may be left in flight.
         if self.overlap_param_gather and not self._in_join() and not self._engine.tolerance.enabled:
-            order = self._gather_order()
-            if self._shards.in_parts:
-                self._shards.step_in_order(order, grad_of, lambda b: self._params.start([b]))
-            else:
-                self._shards.step(grad_of)
-                self._params.start(order)
+            # Each bucket's gather leaves once it is stepped ([Note: gathers that leave as buckets are stepped]).
+            self._shards.step_in_order(self._gather_order(), grad_of, lambda b: self._params.start([b]))
             self._reduction.consumed()
             if not self._params.guard_in_flight():  # another dispatch mode is on the stack (stale_guard.py)
                 self._params.wait_all()
