@@ -114,6 +114,47 @@ def test_buffers_of_every_dtype_broadcast_bitwise() -> None:
     assert run_distributed(_mixed_buffer_sync, 3) == [(True, True)] * 3
 
 
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _buffers_over_many_forwards() -> tuple[list[bool], int, int]:
+    """(after each forward: every buffer is rank 0's; operators dispatched by the second and the fifth
+    forward, whose module runs one Linear: the buffer broadcast's own operators)."""
+    rank, _ = rank_world()
+    model = _MixedBuffers(seed=rank)
+    ddp = DDP(model)
+    synced, counts = [], []
+    for step in range(6):
+        for name, buffer in model.named_buffers():  # every rank drifts differently, every step
+            buffer.copy_(_MixedBuffers(seed=100 * step + rank).get_buffer(name))
+        if step == 5:  # a buffer changes its shape (the same tensor object): the broadcast follows
+            model.f32.data = torch.randn(9, generator=torch.Generator().manual_seed(rank))
+        expected = {n: b.clone() for n, b in _MixedBuffers(seed=100 * step).named_buffers()}
+        if step == 5:
+            expected["f32"] = torch.randn(9, generator=torch.Generator().manual_seed(0))
+        counter = _CountOps()
+        with counter:
+            ddp(torch.randn(2, 3))
+        counts.append(counter.count)
+        synced.append(all(torch.equal(b, expected[n]) for n, b in model.named_buffers()))
+    return synced, counts[1], counts[4]
+
+
+def test_buffers_broadcast_before_every_forward_through_a_kept_layout() -> None:
+    # The flat layout is made once ([Note: a broadcast that keeps its flat buffers]): a forward's
+    # operators do not grow with the number of buffers (7 here; laid out per call: 3 views each).
+    for synced, second, later in run_distributed(_buffers_over_many_forwards, 2):
+        assert synced == [True] * 6
+        assert second <= 12 and later <= 12, (second, later)
+
+
 def _state_dict_round_trip() -> None:
     rank, world = rank_world()
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..collectives.broadcast import broadcast_coalesced
+from ..collectives.broadcast import StandingBroadcast, broadcast_coalesced
 from ..engine.reducer import Reducer
 from ..observability.desync import Position
 from ..observability.labels import label
@@ -25,6 +25,8 @@ class ModuleState:
     def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         self.params = params  # the reduced parameters, in the engine's order
         self.buffers = buffers  # synchronised buffers (not ignored)
+        # Before every synced forward: [Note: a broadcast that keeps its flat buffers] in collectives/broadcast.py
+        self._buffer_broadcast = StandingBroadcast(buffers)
 
     def broadcast(self, src: int, group: dist.ProcessGroup, include_buffers: bool) -> None:
         """Every rank gets ``src``'s parameters (and buffers), bit for bit."""
@@ -47,7 +49,7 @@ class ModuleState:
                 # A buffer saved for backward (e.g. by an eval-mode BatchNorm) is overwritten
                 # with equal values on the source rank; keep autograd's version check quiet.
                 with synced.preserve_version_counters(self.buffers):
-                    broadcast_coalesced(self.buffers, src, group)
+                    self._buffer_broadcast(src, group)
             except RuntimeError as error:
                 if engine.tolerance.note(f"the buffer broadcast failed: {error}"):
                     return
