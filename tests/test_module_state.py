@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import io
+import pickle
 
 import pytest
 import torch
@@ -145,6 +147,30 @@ def _buffers_over_many_forwards() -> tuple[list[bool], int, int]:
         counts.append(counter.count)
         synced.append(all(torch.equal(b, expected[n]) for n, b in model.named_buffers()))
     return synced, counts[1], counts[4]
+
+
+def _copies_sync_their_own_buffers() -> list[bool]:
+    """A wrapper copied after its layout was kept (pickle, deepcopy) broadcasts the copy's buffers,
+    and leaves the original's alone."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    ddp = DDP(ConvBN())
+    x, _ = global_batch("cnn_bn", world, 0)
+    ddp(shard(x, rank, world))  # the layout is kept from here
+    original = ddp.module.bn1.running_mean.clone()
+    results = []
+    for copied in (pickle.loads(pickle.dumps(ddp)), copy.deepcopy(ddp)):
+        copied.module.bn1.running_mean.fill_(10.0 + rank)
+        copied.eval()  # an eval forward leaves the running statistics as broadcast
+        with torch.no_grad():
+            copied(shard(x, rank, world))
+        results.append(torch.equal(copied.module.bn1.running_mean, torch.full_like(original, 10.0)))
+        results.append(torch.equal(ddp.module.bn1.running_mean, original))
+    return results
+
+
+def test_copied_wrappers_broadcast_their_own_buffers() -> None:
+    assert run_distributed(_copies_sync_their_own_buffers, 2) == [[True] * 4] * 2
 
 
 def test_buffers_broadcast_before_every_forward_through_a_kept_layout() -> None:

@@ -74,6 +74,10 @@ class StandingBroadcast:
         self.cap_bytes = cap_bytes
         self._kept: tuple[list[Any], list[_Chunk]] | None = None  # (the tensors' signature, their layout)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled wrapper (torch's DDP pickles too) carries no copy of its buffers: the layout is made again.
+        return {**self.__dict__, "_kept": None}
+
     def __call__(self, src: int, group: dist.ProcessGroup) -> None:
         """Broadcast the tensors in place from global rank ``src``."""
         if not self.tensors:
