@@ -7,6 +7,8 @@ Run from the repository root (wait until the machine is otherwise idle for ``spe
         zero1_view --label snapshot                           # holders named by gradsync's functions
     python -m benchmarks zero speed --link 1gbit              # ~2.5 min: transformer, 2 ranks, shared link
     python -m benchmarks zero speed --link 1gbit --per-rank-links --world-sizes 2 4 --iters 3   # ~4.5 min
+    python -m benchmarks zero speed --link 1gbit --per-rank-links --world-sizes 2 4 --rounds 16 --iters 3 \
+        --setups gradsync_ddp zero2 torch_zero              # ~4.7 min; 16+ rounds: intervals of +-1-2%
     python -m benchmarks zero speed --workload large_grad --setups gradsync_ddp zero2 zero2_no_overlap zero1 \
         torch_zero no_comm --rounds 8 --iters 3               # ~2.5 min, plain loopback
     python -m benchmarks zero speed --link 1gbit --per-rank-links --iters 3 --setups gradsync_ddp zero2 \
