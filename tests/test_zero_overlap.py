@@ -141,20 +141,27 @@ def _step(wrapper: DDP, optimizer: torch.optim.Optimizer, step: int, **kwargs: A
     optimizer.step()
 
 
-# ---------------------------------------------------------------------- the forward's waits
-def _reads_in_forward(name: str, lazy: bool) -> dict:
-    ddp, sharded, reference, plain = _pair(name, {"find_unused_parameters": name == "late_branch"})
-    kwargs = (lambda step: {"attend": step >= 2}) if name == "late_branch" else (lambda step: {})
-    with lazy_gathers() if lazy else nullcontext():
-        for wrapper, optimizer in ((ddp, sharded), (reference, plain)):
-            for step in range(6):
-                _step(wrapper, optimizer, step, **kwargs(step))
-        sharded.wait_for_params()
+def _train_both(pair: tuple[DDP, ShardedOptimizer, DDP, torch.optim.Optimizer], steps: int,
+                kwargs: Any = lambda step: {}) -> dict:  # fmt: skip
+    """``steps`` steps of the sharded pair, then of the reference pair; how far apart they ended."""
+    ddp, sharded, reference, plain = pair
+    for wrapper, optimizer in ((ddp, sharded), (reference, plain)):
+        for step in range(steps):
+            _step(wrapper, optimizer, step, **kwargs(step))
+    sharded.wait_for_params()
     return {
         "difference": max_relative_difference(ddp.module, reference.module),
         "identical": identical_across_ranks(ddp.module),
-        "buckets": len(ddp.engine.buckets.storages),
     }
+
+
+# ---------------------------------------------------------------------- the forward's waits
+def _reads_in_forward(name: str, lazy: bool) -> dict:
+    pair = _pair(name, {"find_unused_parameters": name == "late_branch"})
+    kwargs = (lambda step: {"attend": step >= 2}) if name == "late_branch" else (lambda step: {})
+    with lazy_gathers() if lazy else nullcontext():
+        outcome = _train_both(pair, 6, kwargs)
+    return {**outcome, "buckets": len(pair[0].engine.buckets.storages)}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -278,17 +285,8 @@ class DecayingSGD(torch.optim.Optimizer):
 
 def _steps_of(optimizer_class: type, elementwise: bool | None) -> dict:
     # find_unused_parameters: no bucket rebuild, which would build the inner optimizer anew (its count with it)
-    ddp, sharded, reference, plain = _pair("attention", {"find_unused_parameters": True}, optimizer_class,
-                                           elementwise=elementwise)  # fmt: skip
-    for wrapper, optimizer in ((ddp, sharded), (reference, plain)):
-        for step in range(4):
-            _step(wrapper, optimizer, step)
-    sharded.wait_for_params()
-    return {
-        "difference": max_relative_difference(ddp.module, reference.module),
-        "identical": identical_across_ranks(ddp.module),
-        "buckets": len(ddp.engine.buckets.storages),
-    }
+    pair = _pair("attention", {"find_unused_parameters": True}, optimizer_class, elementwise=elementwise)
+    return {**_train_both(pair, 4), "buckets": len(pair[0].engine.buckets.storages)}
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "decaying_sgd"])
@@ -366,15 +364,8 @@ def _first_forward_raises() -> dict:
         ddp(shard(x, rank, world))
     handle.remove()
     with lazy_gathers():
-        for wrapper, optimizer in ((ddp, sharded), (reference, plain)):
-            for step in range(5):
-                _step(wrapper, optimizer, step)
-        sharded.wait_for_params()
-    return {
-        "difference": max_relative_difference(ddp.module, reference.module),
-        "identical": identical_across_ranks(ddp.module),
-        "modes": torch._C._len_torch_dispatch_stack(),
-    }
+        outcome = _train_both((ddp, sharded, reference, plain), 5)
+    return {**outcome, "modes": torch._C._len_torch_dispatch_stack()}
 
 
 def test_a_first_forward_that_raises_leaves_the_learning_to_the_next() -> None:
