@@ -1,0 +1,77 @@
+"""What ``DiLoCo`` checks when it is built: the model, the inner optimizer, the knobs.
+
+gradsync's other capabilities sit beside this package (import-linter forbids importing them), so
+they are recognised by the module their class comes from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..wrapper.data_parallel import DataParallelWrapper
+
+
+def _from(obj: object, package: str) -> bool:
+    return type(obj).__module__.startswith(package)
+
+
+def check_model(model: Any) -> None:
+    rank = dist.get_rank()
+    if _from(model, "gradsync.elastic"):
+        raise NotImplementedError(
+            f"DiLoCo over gradsync.elastic's fault-tolerant wrapper is not supported yet (rank {rank}): pass the "
+            "plain module or a gradsync DistributedDataParallel."
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"DiLoCo's model must be an nn.Module or a gradsync DistributedDataParallel, got {type(model).__name__}."
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not isinstance(model, DataParallelWrapper):
+        raise TypeError(
+            f"DiLoCo's model is torch's DistributedDataParallel (rank {rank}); an island must be a "
+            "gradsync.DistributedDataParallel (or pass the plain module: each process is then a replica)."
+        )
+    bad = [n for n, p in model.named_parameters() if not p.is_floating_point()]
+    if bad:
+        raise TypeError(f"DiLoCo averages floating-point parameters only; {bad} are not (rank {rank}).")
+    if not bad and not list(model.parameters()):
+        raise ValueError(f"DiLoCo's model has no parameters (rank {rank}).")
+
+
+def check_inner_optimizer(model: nn.Module, inner: Any) -> None:
+    rank = dist.get_rank()
+    if _from(inner, "gradsync.zero"):
+        raise NotImplementedError(
+            f"DiLoCo with gradsync.zero's ShardedOptimizer as the inner optimizer is not supported yet (rank "
+            f"{rank}): its parameters are views of buffers it gathers after each step, which DiLoCo's outer step "
+            "would write around. Use an ordinary torch.optim optimizer inside the island."
+        )
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}.")
+    ours = {id(p) for p in model.parameters()}
+    stray = sum(1 for g in inner.param_groups for p in g["params"] if id(p) not in ours)
+    if stray:
+        raise ValueError(
+            f"inner_optimizer steps {stray} tensors that are not parameters of DiLoCo's model (rank {rank}); "
+            "build it over model.parameters()."
+        )
+
+
+def check_knobs(alpha: float, outer_optimizer: Callable[..., Any] | None) -> None:
+    if not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1] (theta <- alpha * local + (1 - alpha) * global), got {alpha!r}.")
+    if outer_optimizer is not None and not callable(outer_optimizer):
+        raise TypeError(
+            "outer_optimizer must be a callable that takes the outer parameters and returns a torch.optim "
+            f"optimizer, e.g. functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True); got "
+            f"{type(outer_optimizer).__name__}."
+        )
+
+
+def check_outer_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"outer_optimizer(params) must return a torch.optim.Optimizer, got {type(optimizer).__name__}.")

@@ -1,0 +1,124 @@
+"""The outer exchange: every replica's outer gradient in, their average out, the same bits everywhere.
+
+[Note: the exchange, step by step]
+One fragment's outer gradient ``delta`` (flat, fp32, ``n`` values) on every process:
+
+1. island slice: an island member ``s`` of ``S`` takes slice ``s`` of ``delta`` ([Note: islands] in
+   topology.py); a plain replica (``S = 1``) takes all of it.
+2. reduce-scatter over the ``I`` replicas (or counterparts): the slice is cut into ``I`` pieces,
+   piece ``j`` is encoded ([Note: decoding what was sent] in wire.py) and sent to outer rank ``j``;
+   each rank decodes the ``I`` copies of its own piece and sums them in rank order, in fp32, and
+   divides by ``I`` (the replicas that contributed).
+3. all-gather over the same group: each rank encodes its averaged piece and sends it to every
+   other; every rank (the owner too) decodes all ``I`` pieces.
+4. island all-gather: the ``S`` members swap their averaged slices in fp32 over the fast link.
+
+Each piece is summed by exactly one process and then travels as bytes, so the average is the same
+bits on every process. Both steps 2 and 3 are one ``all_to_all_single`` of bytes (pieces differ by
+at most one value; nothing is padded, so fp32 sends exactly what a ring all-reduce of ``delta``
+would: ``2 (I - 1) / I`` of it, per process).
+
+Bytes are counted where they are handed to the collective, as bytes this process *sends* (what is
+copied to itself is not on the wire), the convention of hooks/wire.py.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from .topology import Topology
+from .wire import WireFormat
+
+
+class WireCount:
+    """What this process put on the wire for the outer exchange."""
+
+    __slots__ = ("sent_bytes", "island_bytes", "exchanges", "peak_in_flight_bytes", "in_flight", "peak_in_flight")
+
+    def __init__(self) -> None:
+        self.sent_bytes = 0  # over the slow link: to the other replicas / counterparts
+        self.island_bytes = 0  # over the fast link: to the other members of this island
+        self.exchanges = 0
+        self.peak_in_flight_bytes = 0  # the largest encoded outer gradient one exchange had to move
+        self.in_flight = 0  # exchanges started and not yet waited for
+        self.peak_in_flight = 0
+
+
+class OuterExchange:
+    """Averages outer gradients across replicas in a wire format; on a thread of its own if asked."""
+
+    def __init__(self, topology: Topology, wire: WireFormat, overlap: bool) -> None:
+        self.topology = topology
+        self.wire = wire
+        self.count = WireCount()
+        # One worker: exchanges are issued in the order they start, which is the same on every replica.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="gradsync-diloco") if overlap else None
+
+    def start(self, delta: torch.Tensor) -> Future[torch.Tensor]:
+        """Begin averaging ``delta`` (flat fp32, the same length everywhere); the future holds the average."""
+        self.count.in_flight += 1
+        self.count.peak_in_flight = max(self.count.peak_in_flight, self.count.in_flight)
+        if self._thread is not None:
+            return self._thread.submit(self.average, delta)
+        future: Future[torch.Tensor] = Future()
+        try:
+            future.set_result(self.average(delta))
+        except Exception as error:  # noqa: BLE001 - handed to whoever waits, like the thread's
+            future.set_exception(error)
+        return future
+
+    def finished(self) -> None:
+        self.count.in_flight -= 1
+
+    def average(self, delta: torch.Tensor) -> torch.Tensor:
+        t = self.topology
+        slices = torch.tensor_split(delta, t.island_size)
+        averaged = self._across(slices[t.island_rank])
+        self.count.exchanges += 1
+        if t.island_size == 1:
+            return averaged
+        return self._all_to_all(
+            t.island, averaged.view(torch.uint8), [s.numel() * 4 for s in slices], island=True
+        ).view(torch.float32)
+
+    def _across(self, values: torch.Tensor) -> torch.Tensor:
+        t, wire = self.topology, self.wire
+        if t.outer_size == 1:
+            return values.to(torch.float32).clone()
+        pieces = torch.tensor_split(values, t.outer_size)
+        sizes = [wire.encoded_nbytes(p.numel()) for p in pieces]
+        mine = pieces[t.outer_rank].numel()
+        encoded = torch.cat([wire.encode(p) for p in pieces])
+        self.count.peak_in_flight_bytes = max(self.count.peak_in_flight_bytes, encoded.numel())
+        received = torch.empty(sizes[t.outer_rank] * t.outer_size, dtype=torch.uint8)
+        dist.all_to_all_single(received, encoded, [sizes[t.outer_rank]] * t.outer_size, sizes, group=t.outer)
+        self.count.sent_bytes += sum(sizes) - sizes[t.outer_rank]
+        total = None
+        for part in received.split(sizes[t.outer_rank]):  # in rank order: the same sum wherever it is taken
+            decoded = wire.decode(part, mine)
+            total = decoded if total is None else total.add_(decoded)
+        assert total is not None
+        own = wire.encode(total.div_(t.outer_size))
+        gathered = self._all_to_all(t.outer, own, sizes, island=False)
+        return torch.cat([wire.decode(part, p.numel()) for part, p in zip(gathered.split(sizes), pieces)])
+
+    def _all_to_all(self, group: dist.ProcessGroup, own: torch.Tensor, sizes: list[int], island: bool) -> torch.Tensor:
+        """All-gather of byte pieces of unequal sizes (``sizes[j]`` from rank ``j``) as one all-to-all."""
+        rank, world = dist.get_rank(group), len(sizes)
+        received = torch.empty(sum(sizes), dtype=torch.uint8)
+        dist.all_to_all_single(received, own.repeat(world), sizes, [own.numel()] * world, group=group)
+        sent = own.numel() * (world - 1)
+        if island:
+            self.count.island_bytes += sent
+        else:
+            self.count.sent_bytes += sent
+        assert own.numel() == sizes[rank], "every rank must encode its own piece to the size the others expect"
+        return received
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None

@@ -1,0 +1,268 @@
+"""``DiLoCo`` and ``LocalSGD``: H local steps, then an outer step on the replicas' averaged outer gradient.
+
+[Note: DiLoCo in one paragraph]
+Every replica starts from the same ``theta_global`` (broadcast when ``DiLoCo`` is built) and takes
+inner steps with its own optimizer on its own data. After ``H = sync_every`` of them each replica's
+outer gradient ``delta_i = theta_global - theta_local_i`` (old global minus new local: the sign
+torchft once got wrong) is averaged across replicas, and the outer optimizer steps ``theta_global``
+with that average as its gradient; the new ``theta_global`` becomes every replica's parameters.
+The inner optimizer's state stays per replica (the paper found syncing it gains nothing). With
+``fragments = F`` the layers are split into ``F`` fragments synced at staggered steps
+(fragments.py); with ``delay = tau`` a fragment's exchange runs on a thread while ``tau`` more
+inner steps are taken, and the local parameters are then merged,
+``theta_local <- alpha * theta_local + (1 - alpha) * theta_global`` (with ``delay = 0`` they are
+replaced: ``alpha`` is not used). ``LocalSGD`` is the special case of outer SGD with lr 1 and no
+momentum: ``theta_global - mean(delta_i) = mean(theta_local_i)``, parameter averaging.
+
+Between outer steps ``DiLoCo.step()`` is the inner optimizer's step and one integer comparison:
+fragments, flat copies and collectives are touched only at the steps the schedule names.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from concurrent.futures import Future
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..collectives.broadcast import broadcast_coalesced
+from ..wrapper.data_parallel import DataParallelWrapper
+from . import checks, topology
+from .exchange import OuterExchange, WireCount
+from .fragments import Schedule, strided
+from .outer_params import Fragment, layers_of
+from .wire import wire_format
+
+logger = logging.getLogger(__name__)
+
+OuterOptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+# The paper's outer optimizer (arXiv 2311.08105, Table 5): Nesterov, lr 0.7, momentum 0.9.
+nesterov = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def averaging(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """Outer SGD with lr 1 and no momentum: the outer step is parameter averaging."""
+    return torch.optim.SGD(params, lr=1.0)
+
+
+class _InFlight(NamedTuple):
+    fragment: int
+    started: int  # the inner step after which its exchange started
+    average: Future[torch.Tensor]
+
+
+class DiLoCo:
+    """Wraps ``inner_optimizer``: call ``outer.step()`` where the loop called ``inner_optimizer.step()``.
+
+    ``model`` is a plain module (every process a replica, exchanging over ``group``, default all) or
+    a gradsync ``DistributedDataParallel`` over one island's process group ([Note: islands] in
+    topology.py; ``group`` must then be None). Building it is collective over the default group.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        sync_every: int,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.5,
+        wire: str = "fp32",
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        checks.check_model(model)
+        checks.check_inner_optimizer(model, inner_optimizer)
+        checks.check_knobs(alpha, outer_optimizer)
+        self.schedule = Schedule.checked(sync_every, fragments, delay)
+        self.wire_format = wire_format(wire)
+        self.island = model if isinstance(model, DataParallelWrapper) else None
+        self.module: nn.Module = model.module if self.island is not None else model
+        self.inner = inner_optimizer
+        self.alpha = float(alpha)
+        self.topology = _topology(self.island, group, own_groups=delay > 0)
+        # Every replica starts from the same point: outer rank 0's parameters and buffers.
+        start = list(self.module.parameters()) + list(self.module.buffers())
+        with torch.no_grad():
+            broadcast_coalesced(start, self.topology.source, self.topology.outer)
+        layers = layers_of(self.module)
+        self.fragments = [
+            Fragment(p, [layers[i] for i in idx]) for p, idx in enumerate(strided(len(layers), fragments))
+        ]
+        self.outer_optimizer = (outer_optimizer or nesterov)([f.theta for f in self.fragments])
+        checks.check_outer_optimizer(self.outer_optimizer)
+        self.exchange = OuterExchange(self.topology, self.wire_format, overlap=delay > 0)
+        self.step_count = 0  # inner steps taken: the schedule's clock, the same on every replica
+        self._next_event = self.schedule.next_event(0)
+        self._in_flight: _InFlight | None = None
+
+    # -- the training loop's calls ---------------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The inner optimizer's step; an outer step (or a fragment's start or landing) when one is due."""
+        loss = self.inner.step() if closure is None else self.inner.step(closure)
+        self.step_count += 1
+        if self.step_count == self._next_event:
+            self._at_event(self.step_count)
+            self._next_event = self.schedule.next_event(self.step_count)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def wire(self) -> WireCount:
+        """Bytes this process sent for the outer exchange (over the slow link and inside its island)."""
+        return self.exchange.count
+
+    @property
+    def global_parameters(self) -> list[nn.Parameter]:
+        """``theta_global``, one flat tensor per fragment (the outer optimizer's parameters)."""
+        return [f.theta for f in self.fragments]
+
+    # -- outer steps -----------------------------------------------------------------------------
+
+    def _at_event(self, step: int) -> None:
+        starting = self.schedule.starting_after(step)
+        if starting is not None:
+            assert self._in_flight is None, "a fragment started while another was in flight (the schedule forbids it)"
+            with torch.profiler.record_function("gradsync::diloco_start_exchange"):
+                delta = self.fragments[starting].outer_gradient()
+                self._in_flight = _InFlight(starting, step, self.exchange.start(delta))
+        landing = self.schedule.landing_after(step)
+        if landing is not None:
+            with torch.profiler.record_function("gradsync::diloco_outer_step"):
+                self._outer_step(landing, self._wait())
+
+    def _wait(self) -> torch.Tensor:
+        in_flight = self._in_flight
+        assert in_flight is not None, "a fragment landed that never started"
+        try:
+            return in_flight.average.result()
+        except Exception as error:
+            raise RuntimeError(
+                f"DiLoCo's outer exchange of fragment {in_flight.fragment} (started after inner step "
+                f"{in_flight.started}) failed on rank {dist.get_rank()}: {error}. Every replica must call step() "
+                "the same number of times; a dead replica ends the run (fault tolerance is not implemented yet)."
+            ) from error
+        finally:
+            self.exchange.finished()
+            self._in_flight = None
+
+    @torch.no_grad()
+    def _outer_step(self, index: int, average: torch.Tensor) -> None:
+        fragment = self.fragments[index]
+        fragment.theta.grad = average.to(fragment.theta.dtype)
+        try:
+            self.outer_optimizer.step()  # only this fragment has a .grad: the others are skipped
+        finally:
+            fragment.theta.grad = None
+        if self.schedule.delay == 0:
+            fragment.write(fragment.theta.detach())
+        else:
+            fragment.merge(self.alpha)
+        logger.debug("outer step of fragment %d after inner step %d", index, self.step_count)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _description(self) -> dict[str, Any]:
+        return {
+            "sync_every": self.schedule.sync_every,
+            "fragments": self.schedule.fragments,
+            "delay": self.schedule.delay,
+            "wire": self.wire_format.name,
+            "fragment_parameters": [f.names for f in self.fragments],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """theta_global, the outer optimizer, the step and the fragment schedule; an exchange in flight
+        is waited for and its average kept, to be applied at the step it would have landed.
+
+        The model and the inner optimizer are checkpointed by the caller, as without DiLoCo.
+        """
+        in_flight = None
+        if self._in_flight is not None:
+            fragment, started = self._in_flight.fragment, self._in_flight.started
+            average = self._wait()
+            self._in_flight = _InFlight(fragment, started, _done(average))
+            self.exchange.count.in_flight += 1  # _wait counted it finished; it lands later
+            in_flight = {"fragment": fragment, "started": started, "average": average.clone()}
+        return {
+            "step": self.step_count,
+            "global_parameters": [f.theta.detach().clone() for f in self.fragments],
+            "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
+            "schedule": self._description(),
+            "in_flight": in_flight,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ours = self._description()
+        differ = sorted(k for k in ours if state["schedule"].get(k) != ours[k])
+        if differ:
+            raise ValueError(
+                f"This DiLoCo checkpoint was saved with other {differ} (rank {dist.get_rank()}): saved "
+                f"{ {k: state['schedule'].get(k) for k in differ} }, here { {k: ours[k] for k in differ} }. Build "
+                "DiLoCo with the saved settings (and the same model) to resume."
+            )
+        if self._in_flight is not None:
+            self._wait()  # collective: every replica has it in flight too; its result is replaced below
+        with torch.no_grad():
+            for fragment, theta in zip(self.fragments, state["global_parameters"]):
+                fragment.theta.copy_(theta)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.step_count = int(state["step"])
+        self._next_event = self.schedule.next_event(self.step_count)
+        saved = state["in_flight"]
+        if saved is not None:
+            self._in_flight = _InFlight(saved["fragment"], saved["started"], _done(saved["average"].clone()))
+            self.exchange.count.in_flight += 1
+
+    def close(self) -> None:
+        """Wait for an exchange in flight, stop the exchange's thread, free the process groups made for it."""
+        if self._in_flight is not None:
+            self._wait()
+        self.exchange.close()
+        topology.close(self.topology)
+
+
+class LocalSGD(DiLoCo):
+    """Local SGD: every replica steps on its own, and every ``sync_every`` steps the parameters are
+    averaged (DiLoCo with outer SGD, lr 1, no momentum)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        sync_every: int,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.5,
+        wire: str = "fp32",
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(model, inner_optimizer, sync_every, averaging, fragments, delay, alpha, wire, group)
+
+
+def _topology(
+    island: DataParallelWrapper | None, group: dist.ProcessGroup | None, own_groups: bool
+) -> topology.Topology:
+    if island is None:
+        return topology.replicas(group, own_groups)
+    if group is not None:
+        raise ValueError(
+            f"DiLoCo over islands builds the groups across islands itself (rank {dist.get_rank()}); pass group=None "
+            "with a DistributedDataParallel model (its process group is the island)."
+        )
+    return topology.islands(island.process_group, own_groups)
+
+
+def _done(value: torch.Tensor) -> Future[torch.Tensor]:
+    future: Future[torch.Tensor] = Future()
+    future.set_result(value)
+    return future

@@ -1,0 +1,90 @@
+"""Who exchanges with whom: replicas, or islands of a gradsync DDP each.
+
+[Note: islands]
+With a plain module every process is a replica and the outer exchange runs over ``group`` (all
+processes by default). With a gradsync ``DistributedDataParallel`` the DDP's process group is one
+*island*: its ``S`` members train one replica together over a fast link and hold the same
+parameters bit for bit. Across islands the link is slow, so no member sends the whole outer
+gradient: member ``s`` of every island forms a *counterpart group* with member ``s`` of every other
+island, and each counterpart group exchanges slice ``s`` of the outer gradient (1/S of it). The
+island then all-gathers the ``S`` averaged slices over its fast link, so every member ends with
+the whole average, and applies the same outer step. Islands must have the same size.
+
+[Note: groups of our own]
+With ``delay > 0`` the exchange runs on a thread of its own while the training loop goes on, and
+the loop's own collectives (the island DDP's all-reduces, a user's ``all_reduce`` of the loss)
+must not interleave with it on one process group: gloo matches collectives by their order on a
+group. So the exchange gets process groups of its own, made once here. Making a group is
+collective over the default group: every process must build its ``DiLoCo`` (the same way).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+
+class Topology(NamedTuple):
+    outer: dist.ProcessGroup  # the replicas, or this member's counterparts in the other islands
+    island: dist.ProcessGroup | None  # this island's members (the exchange's own copy); None: plain replicas
+    outer_rank: int
+    outer_size: int
+    island_rank: int
+    island_size: int
+    source: int  # global rank every parameter is broadcast from at construction (outer rank 0)
+    owned: tuple[dist.ProcessGroup, ...]  # groups made here, destroyed by close()
+
+
+def _new_group(ranks: list[int]) -> dist.ProcessGroup:
+    return dist.new_group(ranks)
+
+
+def replicas(group: dist.ProcessGroup | None, own_groups: bool) -> Topology:
+    group = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    outer = _new_group(ranks) if own_groups else group
+    owned = (outer,) if own_groups else ()
+    return Topology(outer, None, dist.get_rank(group), len(ranks), 0, 1, ranks[0], owned)
+
+
+def islands(island_group: dist.ProcessGroup, own_groups: bool) -> Topology:
+    """Counterpart groups across the islands found by asking every process for its DDP's group."""
+    rank = dist.get_rank()
+    mine = tuple(dist.get_process_group_ranks(island_group))
+    everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    found = sorted({tuple(ranks) for ranks in everyone if ranks is not None})
+    sizes = {len(ranks) for ranks in found}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"DiLoCo over islands needs islands of one size; the DDPs' process groups are {found} (seen on rank "
+            f"{rank}). Give every island the same number of processes."
+        )
+    overlapping = [ranks for ranks in found if set(ranks) & set(mine) and ranks != mine]
+    if overlapping or sum(len(ranks) for ranks in found) != dist.get_world_size():
+        raise ValueError(
+            f"DiLoCo over islands needs the DDPs' process groups to split the processes: every process in "
+            f"exactly one island; found {found} (rank {rank}). Build each island's DDP over its own new_group."
+        )
+    if len(found) < 2:
+        raise ValueError(
+            f"DiLoCo's model is a DistributedDataParallel over all {len(mine)} processes (rank {rank}): there is "
+            "only one island, so nothing is exchanged across islands. Build the DDP over the process group of "
+            "one island (dist.new_group(island_ranks)) or pass the plain module."
+        )
+    size = len(mine)
+    island_rank = mine.index(rank)
+    island_id = found.index(mine)
+    # Every process makes every group, in the same order: new_group is collective over the default group.
+    counterparts = [_new_group([ranks[s] for ranks in found]) for s in range(size)]
+    island_copies = [_new_group(list(ranks)) for ranks in found] if own_groups else []
+    outer = counterparts[island_rank]
+    island = island_copies[island_id] if own_groups else island_group
+    owned = tuple(counterparts) + tuple(island_copies)
+    return Topology(outer, island, island_id, len(found), island_rank, size, found[0][island_rank], owned)
+
+
+def close(topology: Topology) -> None:
+    for group in topology.owned:
+        dist.destroy_process_group(group)

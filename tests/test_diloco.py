@@ -1,0 +1,315 @@
+"""``gradsync.diloco``: the exact special cases against independent references.
+
+* ``LocalSGD`` with H = 1 and inner SGD against gradsync DDP + SGD;
+* ``LocalSGD`` with period k against torch's ``PeriodicModelAverager`` (``warmup_steps = k - 1``);
+* one and two outer Nesterov steps on a quadratic against a hand computation;
+* theta_global and the outer optimizer state bitwise identical on every replica;
+* the fragment assignment and schedule (pure), the wire formats (pure);
+* ``simulate``: a naive DiLoCo of all replicas in one process, per parameter, written from the
+  paper's algorithm, the oracle the streaming tests (test_diloco_streaming.py) compare against.
+
+Every comparison has a negative control beside it: the same check made to fail by a change the
+implementation must not make (a period off by one, the other sign, no merge, another step).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+import gradsync.diloco as diloco
+from gradsync import DistributedDataParallel as DDP
+from gradsync.diloco.fragments import Schedule, strided
+from gradsync.diloco.wire import Bf16, Fp32, Int8
+
+from harness import run_distributed
+from models import global_batch, loss_fn, make_model, rank_world, shard
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# -- the oracle ----------------------------------------------------------------------------------
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def params_relative(a: nn.Module, b: nn.Module) -> float:
+    return max(relative(p.detach(), q.detach()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def layer_index(model: nn.Module) -> dict[str, int]:
+    """Parameter name -> index of the module that holds it (modules holding parameters, in order)."""
+    owners = [prefix for prefix, m in model.named_modules() if list(m.parameters(recurse=False))]
+    return {name: owners.index(name.rpartition(".")[0]) for name, _ in model.named_parameters()}
+
+
+def simulate(
+    models: list[nn.Module],
+    inner: functools.partial,
+    outer: functools.partial,
+    batch,
+    steps: int,
+    H: int,
+    F: int = 1,
+    delay: int = 0,
+    alpha: float = 0.5,
+) -> tuple[list[nn.Module], dict[str, torch.Tensor]]:
+    """All replicas in one process, one tensor per parameter: Streaming DiLoCo as the papers state it.
+
+    ``batch(r, t)`` is replica r's (x, y) at inner step t (0-based). Returns the replicas and theta_global.
+    """
+    inners = [inner(m.parameters()) for m in models]
+    names = [n for n, _ in models[0].named_parameters()]
+    fragment_of = {n: i % F for n, i in layer_index(models[0]).items()}
+    theta = {n: nn.Parameter(p.detach().clone()) for n, p in models[0].named_parameters()}
+    outer_opt = outer(list(theta.values()))
+    in_flight = None
+    for t in range(1, steps + 1):
+        for r, (model, opt) in enumerate(zip(models, inners)):
+            opt.zero_grad()
+            x, y = batch(r, t - 1)
+            loss_fn(model(x), y).backward()
+            opt.step()
+        if t % (H // F) == 0:
+            p = (t // (H // F) - 1) % F
+            local = [dict(m.named_parameters()) for m in models]
+            mean = {n: sum(theta[n].detach() - lp[n].detach() for lp in local) / len(models) for n in names}
+            in_flight = (p, t, {n: v for n, v in mean.items() if fragment_of[n] == p})
+        if in_flight is not None and t == in_flight[1] + delay:
+            p, _, grads = in_flight
+            for n, g in grads.items():
+                theta[n].grad = g
+            outer_opt.step()
+            with torch.no_grad():
+                for model in models:
+                    for n, param in model.named_parameters():
+                        if n in grads:
+                            new = theta[n] if delay == 0 else alpha * param + (1 - alpha) * theta[n]
+                            param.copy_(new)
+            for n in grads:
+                theta[n].grad = None
+            in_flight = None
+    return models, {n: v.detach() for n, v in theta.items()}
+
+
+def mlp_batch(world: int, r: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = global_batch("mlp", world, t)
+    return shard(x, r, world), shard(y, r, world)
+
+
+SGD = functools.partial(torch.optim.SGD, lr=0.05)
+
+
+# -- pure parts ----------------------------------------------------------------------------------
+
+
+def test_fragments_are_strided_and_partition_the_layers() -> None:
+    for layers, F in ((5, 1), (5, 2), (6, 3), (7, 7)):
+        fragments = strided(layers, F)
+        assert sorted(i for f in fragments for i in f) == list(range(layers))  # each layer exactly once
+        assert all(i % F == p for p, f in enumerate(fragments) for i in f)  # strided, not contiguous
+    assert strided(4, 2) != [[0, 1], [2, 3]]  # negative control: the contiguous split is not what we make
+    with pytest.raises(ValueError, match="fragments=6"):
+        strided(5, 6)
+
+
+@pytest.mark.parametrize("H,F,delay", [(4, 1, 0), (6, 3, 0), (6, 3, 1), (8, 2, 3), (9, 3, 2)])
+def test_schedule_syncs_every_fragment_once_per_round(H: int, F: int, delay: int) -> None:
+    schedule = Schedule.checked(H, F, delay)
+    starts = {t: schedule.starting_after(t) for t in range(1, 4 * H + 1) if schedule.starting_after(t) is not None}
+    lands = {t: schedule.landing_after(t) for t in range(1, 4 * H + 1) if schedule.landing_after(t) is not None}
+    for k in range(4):  # each round of H steps starts every fragment exactly once, at its own offset
+        in_round = [p for t, p in starts.items() if k * H < t <= (k + 1) * H]
+        assert sorted(in_round) == list(range(F)), (k, starts)
+    assert all(lands[t + delay] == p for t, p in starts.items() if t + delay <= 4 * H)  # lands delay steps later
+    assert starts[H] == F - 1 and starts[H // F] == 0
+    # next_event names exactly the steps where something happens: DiLoCo.step() checks nothing else
+    events, t = [], 0
+    while t < 4 * H:
+        t = schedule.next_event(t)
+        events.append(t)
+    assert [e for e in events if e <= 4 * H] == sorted(set(starts) | set(lands))
+    # one fragment in flight at a time: every start lands before the next start
+    assert all(t + delay < u for t, u in zip(sorted(starts), sorted(starts)[1:]))
+
+
+def test_schedule_rejects_what_it_cannot_do() -> None:
+    with pytest.raises(ValueError, match="multiple of fragments"):
+        Schedule.checked(10, 3, 0)
+    with pytest.raises(ValueError, match="delay=2"):
+        Schedule.checked(4, 2, 2)
+    with pytest.raises(TypeError, match="sync_every must be an int"):
+        Schedule.checked(2.0, 1, 0)  # type: ignore[arg-type]
+
+
+def test_wire_formats_decode_what_was_sent() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3000) * torch.logspace(-3, 1, 3000)
+    assert torch.equal(Fp32().decode(Fp32().encode(x).clone(), 3000), x)
+    assert torch.equal(Bf16().decode(Bf16().encode(x).clone(), 3000), x.to(torch.bfloat16).float())
+    int8 = Int8(chunk=256)
+    data = int8.encode(x)
+    assert data.numel() == int8.encoded_nbytes(3000) == 3000 + 4 * 12
+    decoded = int8.decode(data, 3000)
+    for c in range(12):  # per chunk: off by at most half a step of that chunk's own scale
+        chunk = x[c * 256 : (c + 1) * 256]
+        step = chunk.abs().max() / 127
+        assert (decoded[c * 256 : (c + 1) * 256] - chunk).abs().max() <= step / 2 * (1 + 1e-5)
+    # a piece that starts at an odd byte offset in the received buffer decodes to the same values
+    shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), data])[3:]
+    assert torch.equal(int8.decode(shifted, 3000), decoded)
+    assert torch.equal(int8.decode(int8.encode(torch.zeros(10)), 10), torch.zeros(10))
+    # negative control: one scale for everything would lose the small chunks entirely
+    assert (decoded[:256] != 0).any() and (Int8(chunk=4096).decode(Int8(chunk=4096).encode(x), 3000)[:256] == 0).all()
+
+
+# -- exact special cases ---------------------------------------------------------------------------
+
+
+def _h1_against_ddp(H: int) -> float:
+    rank, world = rank_world()
+    model = make_model("mlp")
+    reference = DDP(copy.deepcopy(model))
+    ref_opt = SGD(reference.parameters())
+    inner = SGD(model.parameters())
+    outer = diloco.LocalSGD(model, inner, sync_every=H)
+    for t in range(20):
+        x, y = mlp_batch(world, rank, t)
+        for m, opt in ((model, outer), (reference, ref_opt)):
+            opt.zero_grad()
+            loss_fn(m(x), y).backward()
+            opt.step()
+    outer.close()
+    return params_relative(model, reference.module)
+
+
+def test_local_sgd_with_h1_equals_ddp() -> None:
+    for difference in run_distributed(_h1_against_ddp, 2, 1, timeout_s=30):
+        assert difference <= 1e-6, difference
+    # negative control: averaging every other step is not DDP
+    assert min(run_distributed(_h1_against_ddp, 2, 2, timeout_s=30)) > 1e-4
+
+
+def _against_periodic_averager(period: int, warmup: int) -> float:
+    rank, world = rank_world()
+    model = make_model("mlp")
+    reference = copy.deepcopy(model)
+    inner_kwargs = {"lr": 0.05, "momentum": 0.9}  # the momentum stays per replica in both
+    inner = torch.optim.SGD(model.parameters(), **inner_kwargs)
+    ref_opt = torch.optim.SGD(reference.parameters(), **inner_kwargs)
+    averager = PeriodicModelAverager(period=period, warmup_steps=warmup)
+    outer = diloco.LocalSGD(model, inner, sync_every=period)
+    for t in range(4 * period + 1):
+        x, y = mlp_batch(world, rank, t)
+        for m, opt in ((model, outer), (reference, ref_opt)):
+            opt.zero_grad()
+            loss_fn(m(x), y).backward()
+            opt.step()
+        averager.average_parameters(reference.parameters())
+    outer.close()
+    return params_relative(model, reference)
+
+
+def test_local_sgd_equals_torch_periodic_model_averager() -> None:
+    """torch's averager counts its calls from 0 and averages at call ``warmup + k * period`` (0-based), i.e.
+    after optimizer step ``warmup + 1 + k * period``; LocalSGD averages after steps ``period, 2 period, ...``.
+    ``warmup_steps = period - 1`` makes the two the same steps."""
+    for difference in run_distributed(_against_periodic_averager, 3, 3, 2, timeout_s=30):
+        assert difference <= 1e-6, difference
+    # negative control: torch's default warmup_steps=0 averages after steps 1, 4, 7, ...: one step off
+    assert min(run_distributed(_against_periodic_averager, 2, 3, 0, timeout_s=30)) > 1e-4
+
+
+class Point(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.x = nn.Parameter(torch.tensor([1.0, -2.0, 0.5]))
+
+
+def _quadratic(H: int, eta: float, rounds: int) -> list[torch.Tensor]:
+    """Replica r descends 0.5 |x - c_r|^2 with SGD; returns theta_global after each outer step."""
+    rank, world = rank_world()
+    model = Point()
+    c = torch.tensor([3.0, 1.0, -1.0]) * (rank + 1)
+    outer = diloco.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=eta), sync_every=H)
+    thetas = []
+    for _ in range(rounds):
+        for _ in range(H):
+            outer.zero_grad()
+            (0.5 * (model.x - c).pow(2).sum()).backward()
+            outer.step()
+        thetas.append(outer.global_parameters[0].detach().clone())
+    outer.close()
+    return thetas
+
+
+def test_outer_nesterov_on_a_quadratic_matches_the_hand_computation() -> None:
+    H, eta, lr, mu = 3, 0.1, 0.7, 0.9
+    thetas = run_distributed(_quadratic, 2, H, eta, 2, timeout_s=30)[0]
+    x0 = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    cs = [torch.tensor([3.0, 1.0, -1.0], dtype=torch.float64) * (r + 1) for r in range(2)]
+    # H SGD steps on 0.5|x - c|^2 from x: x_H = c + (1 - eta)^H (x - c); delta = theta - x_H (old global - new local)
+    delta1 = sum(x0 - (c + (1 - eta) ** H * (x0 - c)) for c in cs) / 2
+    buf1 = delta1  # torch's first momentum buffer is the gradient itself
+    theta1 = x0 - lr * (delta1 + mu * buf1)  # Nesterov: step along g + mu * buf
+    delta2 = sum(theta1 - (c + (1 - eta) ** H * (theta1 - c)) for c in cs) / 2
+    buf2 = mu * buf1 + delta2
+    theta2 = theta1 - lr * (delta2 + mu * buf2)
+    assert relative(thetas[0].double(), theta1) <= 1e-6, (thetas[0], theta1)
+    assert relative(thetas[1].double(), theta2) <= 1e-6, (thetas[1], theta2)
+    # negative controls: the other sign, and no momentum carried into round 2, are both far off
+    assert relative(thetas[0].double(), x0 + lr * (delta1 + mu * buf1)) > 0.1
+    assert relative(thetas[1].double(), theta1 - lr * (delta2 + mu * delta2)) > 1e-2
+    # the outer step moved theta toward the replicas' minima (mean c = [4.5, 1.5, -1.5]), further than averaging
+    mean_c = sum(cs) / 2
+    assert (theta1 - mean_c).norm() < (x0 - delta1 - mean_c).norm() < (x0 - mean_c).norm()
+
+
+def _replicas_bitwise(world_wire: str, fragments: int, delay: int) -> dict:
+    rank, world = rank_world()
+    model = make_model("mlp")
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    outer = diloco.DiLoCo(model, inner, sync_every=4, fragments=fragments, delay=delay, wire=world_wire)
+    same_global, same_momentum, local_differs, outer_steps = [], [], [], 0
+    for t in range(12):
+        x, y = mlp_batch(world, rank, t)
+        outer.zero_grad()
+        loss_fn(model(x), y).backward()
+        outer.step()
+        if outer.schedule.landing_after(t + 1) is None:
+            continue
+        outer_steps += 1
+        states = outer.outer_optimizer.state
+        momentum = [states[p]["momentum_buffer"] for p in outer.global_parameters if p in states]
+        for tensors, record in ((outer.global_parameters, same_global), (momentum, same_momentum)):
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            gathered = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(gathered, flat)
+            record.append(all(torch.equal(gathered[0], g) for g in gathered))
+        local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        local_differs.append(not all(torch.equal(gathered[0], g) for g in gathered))
+    outer.close()
+    return {"global": same_global, "momentum": same_momentum, "local_differs": local_differs, "steps": outer_steps}
+
+
+@pytest.mark.parametrize("wire,fragments,delay", [("fp32", 1, 0), ("int8", 2, 1), ("bf16", 2, 0)])
+def test_global_parameters_and_outer_state_are_bitwise_identical_on_every_replica(
+    wire: str, fragments: int, delay: int
+) -> None:
+    for result in run_distributed(_replicas_bitwise, 3, wire, fragments, delay, timeout_s=30):
+        assert result["steps"] == 3 * fragments - (1 if delay else 0)
+        assert all(result["global"]) and all(result["momentum"]), result
+        # negative control: the check compares something that can differ. With a merge (delay > 0) or with
+        # more fragments, the local parameters are never all replaced by theta_global and differ across replicas.
+        if delay or fragments > 1:
+            assert all(result["local_differs"]), result
