@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..observability.cuda_clock import CudaClock
 from ..observability.stats import BucketInfo, DDPStats
 from ..observability.timing import IterationTimes, RunningStats, now
 from ..observability.trace import Timeline
@@ -19,10 +20,12 @@ from .config import ReducerConfig
 class Records:
     """Running sums, the timeline while tracing, whether the graph stayed static, the last error."""
 
-    def __init__(self, num_buckets: int) -> None:
+    def __init__(self, num_buckets: int, clock: CudaClock | None = None) -> None:
         self.running = RunningStats()
         self.running.new_layout(num_buckets)
-        self.timeline: Timeline | None = None  # set by gradsync.trace for the duration of its block
+        self._timeline: Timeline | None = None  # set by gradsync.trace for the duration of its block
+        # CUDA: the events an iteration's figures are read from, later ([Note: CUDA-event timings]); None on CPU.
+        self.clock = clock
         # torch's can_set_static_graph: the same parameters unused in every synced iteration so far.
         self.graph_static = True
         self.last_error: str | None = None  # torch's logging data reports it as "error"
@@ -40,12 +43,37 @@ class Records:
             self.graph_static = False
         self._last_unused = unused_indices
         unused = tuple(names[i] for i in unused_indices)
-        self.running.add(times, buckets.nbytes, unused)
-        if self.timeline is not None:
-            self.timeline.add_iteration(iteration, times, [s.nbytes for s in buckets.storages])
+        nbytes, sizes = buckets.nbytes, [s.nbytes for s in buckets.storages]
+        if self.clock is None:
+            self._add(iteration, times, nbytes, sizes, unused)
+        else:  # once the GPU has run it ([Note: CUDA-event timings] in observability/cuda_clock.py)
+            self.clock.finished(times, lambda resolved: self._add(iteration, resolved, nbytes, sizes, unused))
         if warn and not unused and not self._warned_nothing_unused:
             self._warned_nothing_unused = True
             warnings.warn(errors.nothing_unused(rank, iteration), UserWarning, stacklevel=2)
+
+    def _add(
+        self, iteration: int, times: IterationTimes, nbytes: int, sizes: list[int], unused: tuple[str, ...]
+    ) -> None:
+        self.running.add(times, nbytes, unused)
+        if self._timeline is not None:
+            self._timeline.add_iteration(iteration, times, sizes)
+
+    @property
+    def timeline(self) -> Timeline | None:
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        """Start or stop tracing; on CUDA a trace that ends first takes in the iterations still on the GPU."""
+        if timeline is None and self.clock is not None:
+            self.clock.collect(wait=True)
+        self._timeline = timeline
+
+    def collect(self) -> None:
+        """On CUDA: take in every finished iteration whose events have run (no waiting)."""
+        if self.clock is not None:
+            self.clock.collect()
 
     def watch_completion(self, times: IterationTimes, b: int, pending: Any) -> None:
         """While tracing: note when bucket ``b``'s reduction completes, not only when it is waited for."""
@@ -67,6 +95,7 @@ def collect_stats(
     rebuilt: bool,
     hook_name: str | None,
 ) -> DDPStats:
+    records.collect()
     running = records.running
     launches, seconds = running.bucket_launches, running.bucket_s
     infos = tuple(
@@ -100,4 +129,5 @@ def collect_stats(
         find_unused_parameters=config.find_unused_parameters,
         static_graph=config.static_graph,
         gradient_as_bucket_view=config.gradient_as_bucket_view,
+        timing="host clock" if records.clock is None else "CUDA events",
     )

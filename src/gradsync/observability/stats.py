@@ -52,6 +52,8 @@ class DDPStats:
     find_unused_parameters: bool
     static_graph: bool
     gradient_as_bucket_view: bool
+    # What the times were measured with: "host clock" on CPU, "CUDA events" on CUDA (cuda_clock.py).
+    timing: str = "host clock"
 
     @property
     def exposed_comm_share(self) -> float:
@@ -83,7 +85,7 @@ class DDPStats:
             f"gradient_as_bucket_view={self.gradient_as_bucket_view}"
         )
         return [
-            f"per iteration (average of {self.iterations}):",
+            f"per iteration (average of {self.iterations}; {self.timing}):",
             f"  forward                 {self.avg_forward_s * ms:9.2f} ms",
             f"  buffer sync             {self.avg_buffer_sync_s * ms:9.2f} ms",
             f"  backward                {self.avg_backward_s * ms:9.2f} ms  (first gradient to .grad written)",
