@@ -61,19 +61,28 @@ def simulate(
     F: int = 1,
     delay: int = 0,
     alpha: float = 0.5,
+    steps_of: list[int] | None = None,
+    by_contributors: bool = True,
 ) -> tuple[list[nn.Module], dict[str, torch.Tensor]]:
     """All replicas in one process, one tensor per parameter: Streaming DiLoCo as the papers state it.
 
     ``batch(r, t)`` is replica r's (x, y) at inner step t (0-based). Returns the replicas and theta_global.
+    ``steps_of[r]``: replica r trains that many steps only (uneven inputs, ``outer.join()``): an exchange
+    averages the replicas that trained since the fragment's previous exchange, and the run ends after F
+    exchanges in a row that started with every replica out of data.
     """
+    steps_of = steps_of or [steps] * len(models)
     inners = [inner(m.parameters()) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
     fragment_of = {n: i % F for n, i in layer_index(models[0]).items()}
     theta = {n: nn.Parameter(p.detach().clone()) for n, p in models[0].named_parameters()}
     outer_opt = outer(list(theta.values()))
-    in_flight = None
-    for t in range(1, steps + 1):
+    in_flight, quiet, t = None, 0, 0
+    while quiet < F if any(n != steps for n in steps_of) else t < steps:
+        t += 1
         for r, (model, opt) in enumerate(zip(models, inners)):
+            if t > steps_of[r]:
+                continue
             opt.zero_grad()
             x, y = batch(r, t - 1)
             loss_fn(model(x), y).backward()
@@ -81,10 +90,18 @@ def simulate(
         if t % (H // F) == 0:
             p = (t // (H // F) - 1) % F
             local = [dict(m.named_parameters()) for m in models]
-            mean = {n: sum(theta[n].detach() - lp[n].detach() for lp in local) / len(models) for n in names}
-            in_flight = (p, t, {n: v for n, v in mean.items() if fragment_of[n] == p})
+            weights = [1.0 if n > t - H else 0.0 for n in steps_of]
+            active = sum(t <= n for n in steps_of)
+            total = sum(weights) if by_contributors else len(models)
+            mean = {n: sum(w * (theta[n].detach() - lp[n].detach()) for w, lp in zip(weights, local)) for n in names}
+            grads = {n: v / total for n, v in mean.items() if fragment_of[n] == p} if sum(weights) else None
+            in_flight = (p, t, grads, active)
         if in_flight is not None and t == in_flight[1] + delay:
-            p, _, grads = in_flight
+            p, _, grads, active = in_flight
+            quiet = 0 if active else quiet + 1
+            in_flight = None
+            if grads is None:
+                continue
             for n, g in grads.items():
                 theta[n].grad = g
             outer_opt.step()
@@ -96,7 +113,6 @@ def simulate(
                             param.copy_(new)
             for n in grads:
                 theta[n].grad = None
-            in_flight = None
     return models, {n: v.detach() for n, v in theta.items()}
 
 

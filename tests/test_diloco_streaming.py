@@ -337,3 +337,42 @@ def test_inner_steps_between_outer_steps_touch_no_fragment() -> None:
     """Fragments are flattened only at the steps the schedule names (H=4, F=2: a start every 2 steps)."""
     for calls in run_distributed(_inner_steps_do_no_outer_work, 2, 4, timeout_s=30):
         assert calls == [2, 4, 6, 8], calls
+
+
+def _uneven(H: int, F: int, delay: int, by_contributors: bool) -> dict:
+    rank, world = rank_world()
+    steps_of = [9 + 5 * r for r in range(world)]  # rank 0 runs out of data first
+    model = make_model("mlp")
+    replicas = [copy.deepcopy(model) for _ in range(world)]
+    outer = diloco.DiLoCo(model, ADAMW(model.parameters()), sync_every=H, fragments=F, delay=delay)
+    with outer.join():
+        for t in range(steps_of[rank]):
+            x, y = mlp_batch(world, rank, t)
+            outer.zero_grad()
+            loss_fn(model(x), y).backward()
+            outer.step()
+    end = outer.step_count
+    outer.close()
+    batch = functools.partial(mlp_batch, world)
+    simulated, _ = simulate(
+        replicas, ADAMW, diloco.nesterov, batch, 0, H, F, delay, 0.5, steps_of, by_contributors=by_contributors
+    )
+    flat = torch.cat([p.detach().reshape(-1) for p in outer.global_parameters])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return {
+        "difference": params_relative(model, simulated[rank]),
+        "identical": all(torch.equal(gathered[0], g) for g in gathered),
+        "end": end,
+    }
+
+
+@pytest.mark.parametrize("world,H,F,delay", [(2, 4, 1, 0), (3, 4, 2, 1)])
+def test_join_with_uneven_inputs_averages_over_the_replicas_that_contributed(world: int, H: int, F: int, delay: int):
+    results = run_distributed(_uneven, world, H, F, delay, True, timeout_s=30)
+    assert len({r["end"] for r in results}) == 1  # every replica left join() after the same exchange
+    for r in results:
+        assert r["identical"] and r["difference"] <= 1e-5, r
+    # negative control: dividing by every replica (a finished one counted as a zero outer gradient) is far off
+    wrong = run_distributed(_uneven, world, H, F, delay, False, timeout_s=30)
+    assert min(r["difference"] for r in wrong) > 1e-4

@@ -8,7 +8,7 @@ One fragment's outer gradient ``delta`` (flat, fp32, ``n`` values) on every proc
 2. reduce-scatter over the ``I`` replicas (or counterparts): the slice is cut into ``I`` pieces,
    piece ``j`` is encoded ([Note: decoding what was sent] in wire.py) and sent to outer rank ``j``;
    each rank decodes the ``I`` copies of its own piece and sums them in rank order, in fp32, and
-   divides by ``I`` (the replicas that contributed).
+   divides by ``I`` (the replicas that contributed: fewer inside ``outer.join()``, uneven.py).
 3. all-gather over the same group: each rank encodes its averaged piece and sends it to every
    other; every rank (the owner too) decodes all ``I`` pieces.
 4. island all-gather: the ``S`` members swap their averaged slices in fp32 over the fast link.
@@ -25,12 +25,19 @@ copied to itself is not on the wire), the convention of hooks/wire.py.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..hooks.wire import all_reduce_bytes
 from .topology import Topology
 from .wire import WireFormat
+
+
+class Averaged(NamedTuple):
+    values: torch.Tensor | None  # the average over the contributors; None: nobody contributed
+    active: int  # replicas still in their training loop (all of them outside outer.join())
 
 
 class WireCount:
@@ -57,15 +64,18 @@ class OuterExchange:
         # One worker: exchanges are issued in the order they start, which is the same on every replica.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="gradsync-diloco") if overlap else None
 
-    def start(self, delta: torch.Tensor) -> Future[torch.Tensor]:
-        """Begin averaging ``delta`` (flat fp32, the same length everywhere); the future holds the average."""
+    def start(self, delta: torch.Tensor, flags: tuple[float, float] | None = None) -> Future[Averaged]:
+        """Begin averaging ``delta`` (flat, the same length everywhere); the future holds the average.
+
+        ``flags`` = (weight, active) inside ``outer.join()`` ([Note: joining at outer steps] in uneven.py).
+        """
         self.count.in_flight += 1
         self.count.peak_in_flight = max(self.count.peak_in_flight, self.count.in_flight)
         if self._thread is not None:
-            return self._thread.submit(self.average, delta)
-        future: Future[torch.Tensor] = Future()
+            return self._thread.submit(self.average, delta, flags)
+        future: Future[Averaged] = Future()
         try:
-            future.set_result(self.average(delta))
+            future.set_result(self.average(delta, flags))
         except Exception as error:  # noqa: BLE001 - handed to whoever waits, like the thread's
             future.set_exception(error)
         return future
@@ -73,18 +83,28 @@ class OuterExchange:
     def finished(self) -> None:
         self.count.in_flight -= 1
 
-    def average(self, delta: torch.Tensor) -> torch.Tensor:
+    def average(self, delta: torch.Tensor, flags: tuple[float, float] | None = None) -> Averaged:
         t = self.topology
+        contributors, active = float(t.outer_size), t.outer_size
+        if flags is not None:
+            counts = torch.tensor(flags, dtype=torch.float32)
+            dist.all_reduce(counts, group=t.outer)
+            self.count.sent_bytes += all_reduce_bytes(counts, t.outer_size)
+            contributors, active = counts[0].item(), int(counts[1].item())
+            if contributors == 0:
+                return Averaged(None, active)
+            if flags[0] == 0:
+                delta = torch.zeros_like(delta)
         slices = torch.tensor_split(delta, t.island_size)
-        averaged = self._across(slices[t.island_rank])
+        averaged = self._across(slices[t.island_rank], contributors)
         self.count.exchanges += 1
         if t.island_size == 1:
-            return averaged
-        return self._all_to_all(
-            t.island, averaged.view(torch.uint8), [s.numel() * 4 for s in slices], island=True
-        ).view(torch.float32)
+            return Averaged(averaged, active)
+        sizes = [s.numel() * 4 for s in slices]
+        gathered = self._all_to_all(t.island, averaged.view(torch.uint8), sizes, island=True)
+        return Averaged(gathered.view(torch.float32), active)
 
-    def _across(self, values: torch.Tensor) -> torch.Tensor:
+    def _across(self, values: torch.Tensor, contributors: float) -> torch.Tensor:
         t, wire = self.topology, self.wire
         if t.outer_size == 1:
             return values.to(torch.float32).clone()
@@ -101,7 +121,7 @@ class OuterExchange:
             decoded = wire.decode(part, mine)
             total = decoded if total is None else total.add_(decoded)
         assert total is not None
-        own = wire.encode(total.div_(t.outer_size))
+        own = wire.encode(total.div_(contributors))
         gathered = self._all_to_all(t.outer, own, sizes, island=False)
         return torch.cat([wire.decode(part, p.numel()) for part, p in zip(gathered.split(sizes), pieces)])
 

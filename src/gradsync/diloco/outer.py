@@ -23,7 +23,9 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -33,9 +35,10 @@ from torch import nn
 from ..collectives.broadcast import broadcast_coalesced
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import checks, topology
-from .exchange import OuterExchange, WireCount
+from .exchange import Averaged, OuterExchange, WireCount
 from .fragments import Schedule, strided
 from .outer_params import Fragment, layers_of
+from .uneven import UnevenInputs
 from .wire import wire_format
 
 logger = logging.getLogger(__name__)
@@ -54,7 +57,7 @@ def averaging(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 class _InFlight(NamedTuple):
     fragment: int
     started: int  # the inner step after which its exchange started
-    average: Future[torch.Tensor]
+    average: Future[Averaged]
 
 
 class DiLoCo:
@@ -101,6 +104,7 @@ class DiLoCo:
         self.step_count = 0  # inner steps taken: the schedule's clock, the same on every replica
         self._next_event = self.schedule.next_event(0)
         self._in_flight: _InFlight | None = None
+        self._uneven: UnevenInputs | None = None  # inside outer.join()
 
     # -- the training loop's calls ---------------------------------------------------------------
 
@@ -115,6 +119,26 @@ class DiLoCo:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
+
+    @contextmanager
+    def join(self) -> Iterator[None]:
+        """For replicas with different numbers of batches: enter on every replica at the same step, train
+        inside; a replica whose loop ends goes on taking part in the outer exchanges (without inner steps)
+        until every replica's loop has ended and its last inner steps are sent. Averages are over the
+        replicas that contributed ([Note: joining at outer steps] in uneven.py). Nothing is sent between
+        outer steps; each exchange inside carries 8 more bytes."""
+        if self._uneven is not None:
+            raise RuntimeError(f"outer.join() is already active on rank {dist.get_rank()}; do not nest it.")
+        self._uneven = UnevenInputs(self.schedule.sync_every, self.schedule.fragments)
+        try:
+            yield
+            self._uneven.last_step = self.step_count
+            while not self._uneven.everyone_done:  # the schedule's clock runs on without inner steps
+                self.step_count = self._next_event
+                self._at_event(self.step_count)
+                self._next_event = self.schedule.next_event(self.step_count)
+        finally:
+            self._uneven = None
 
     @property
     def wire(self) -> WireCount:
@@ -134,13 +158,18 @@ class DiLoCo:
             assert self._in_flight is None, "a fragment started while another was in flight (the schedule forbids it)"
             with torch.profiler.record_function("gradsync::diloco_start_exchange"):
                 delta = self.fragments[starting].outer_gradient()
-                self._in_flight = _InFlight(starting, step, self.exchange.start(delta))
+                flags = None if self._uneven is None else self._uneven.flags(step)
+                self._in_flight = _InFlight(starting, step, self.exchange.start(delta, flags))
         landing = self.schedule.landing_after(step)
         if landing is not None:
             with torch.profiler.record_function("gradsync::diloco_outer_step"):
-                self._outer_step(landing, self._wait())
+                averaged = self._wait()
+                if averaged.values is not None:
+                    self._outer_step(landing, averaged.values)
+                if self._uneven is not None:
+                    self._uneven.landed(averaged.active)
 
-    def _wait(self) -> torch.Tensor:
+    def _wait(self) -> Averaged:
         in_flight = self._in_flight
         assert in_flight is not None, "a fragment landed that never started"
         try:
@@ -189,10 +218,11 @@ class DiLoCo:
         in_flight = None
         if self._in_flight is not None:
             fragment, started = self._in_flight.fragment, self._in_flight.started
-            average = self._wait()
-            self._in_flight = _InFlight(fragment, started, _done(average))
+            averaged = self._wait()
+            self._in_flight = _InFlight(fragment, started, _done(averaged))
             self.exchange.count.in_flight += 1  # _wait counted it finished; it lands later
-            in_flight = {"fragment": fragment, "started": started, "average": average.clone()}
+            values = None if averaged.values is None else averaged.values.clone()
+            in_flight = {"fragment": fragment, "started": started, "average": values, "active": averaged.active}
         return {
             "step": self.step_count,
             "global_parameters": [f.theta.detach().clone() for f in self.fragments],
@@ -220,7 +250,9 @@ class DiLoCo:
         self._next_event = self.schedule.next_event(self.step_count)
         saved = state["in_flight"]
         if saved is not None:
-            self._in_flight = _InFlight(saved["fragment"], saved["started"], _done(saved["average"].clone()))
+            values = None if saved["average"] is None else saved["average"].clone()
+            averaged = Averaged(values, saved["active"])
+            self._in_flight = _InFlight(saved["fragment"], saved["started"], _done(averaged))
             self.exchange.count.in_flight += 1
 
     def close(self) -> None:
@@ -262,7 +294,7 @@ def _topology(
     return topology.islands(island.process_group, own_groups)
 
 
-def _done(value: torch.Tensor) -> Future[torch.Tensor]:
-    future: Future[torch.Tensor] = Future()
+def _done(value: Averaged) -> Future[Averaged]:
+    future: Future[Averaged] = Future()
     future.set_result(value)
     return future
