@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from emulated_group import EmulatedGroup
 from gradsync import DistributedDataParallel as DDP
 from gradsync.engine.streams import StreamOrder, stream_order_for
 from gradsync.observability.cuda_clock import MAX_PENDING, CudaClock, cuda_clock_for
@@ -286,3 +288,35 @@ def _timing_of_cpu_wrapper() -> str:
 
 def test_cpu_reducer_has_no_cuda_side_and_says_host_clock() -> None:
     assert run_distributed(_timing_of_cpu_wrapper, 2) == ["host clock", "host clock"]
+
+
+# ---------------------------------------------------------------------------- the emulated group
+def _emulated_group_parity() -> dict[str, list[str]]:
+    """Both DDPs over ``EmulatedGroup`` (two identical ranks) give the local gradients bitwise."""
+    calls = {}
+    for name in ("gradsync", "torch"):
+        group = EmulatedGroup(2)
+        group.register()
+        try:
+            torch.manual_seed(0)
+            model, reference = MLP(), MLP()
+            reference.load_state_dict(model.state_dict())
+            wrapper = DDP if name == "gradsync" else TorchDDP
+            ddp = wrapper(model, process_group=group, init_sync=False, gradient_as_bucket_view=True)
+            for step in range(3):  # the third runs on gradsync's rebuilt buckets
+                x, y = global_batch("mlp", 1, step)
+                model.zero_grad()
+                reference.zero_grad()
+                loss_fn(ddp(x), y).backward()
+                loss_fn(reference(x), y).backward()
+                for (param_name, p), q in zip(model.named_parameters(), reference.parameters()):
+                    assert torch.equal(p.grad, q.grad), f"{name}: {param_name} differs from the local gradient"
+            calls[name] = sorted(set(group.calls))
+        finally:
+            group.unregister()
+    return calls
+
+
+def test_emulated_group_gives_local_gradients_to_both_ddps_on_cpu() -> None:
+    calls = run_distributed(_emulated_group_parity, 1)[0]
+    assert "allreduce" in calls["gradsync"] and "allreduce" in calls["torch"]

@@ -20,7 +20,13 @@ def agree_on_used(
     """A parameter counts as used when any rank used it since the last synced backward."""
     if desync is not None:
         desync.check(Position("all-reduce of the used-parameter map", forwards, len(used), "torch.int32"))
-    flags = torch.tensor(used, dtype=torch.int32, device=device)
+    flags = torch.tensor(used, dtype=torch.int32)
+    if device.type == "cuda":
+        # Through pinned memory, so the copy up does not wait for the GPU: the read back below is then the
+        # one host synchronisation find_unused_parameters costs per iteration (torch's reducer has one too).
+        flags = flags.pin_memory().to(device, non_blocking=True)
+    elif flags.device != device:
+        flags = flags.to(device)
     dist.all_reduce(flags, group=group)
     return [bool(u) for u in flags.tolist()]
 
