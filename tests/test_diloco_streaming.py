@@ -306,6 +306,8 @@ def _misuse() -> list[str]:
     sharded_ddp = DDP(make_model("mlp"))
     sharded = ShardedOptimizer(sharded_ddp, torch.optim.SGD, lr=0.1)
     expect(NotImplementedError, "ShardedOptimizer", lambda: diloco.DiLoCo(sharded_ddp, sharded, 4))
+    differs = r"ranks \[1\] differ from rank 0 in \['sync_every'\]"
+    expect(ValueError, differs, lambda: diloco.DiLoCo(model, sgd, 4 + rank))  # not a hang
     saved = diloco.DiLoCo(model, sgd, 4).state_dict()
     other_outer = diloco.DiLoCo(model, sgd, 4, fragments=2)
     expect(ValueError, r"\['fragment_parameters', 'fragments'\]", lambda: other_outer.load_state_dict(saved))
@@ -313,7 +315,7 @@ def _misuse() -> list[str]:
 
 
 def test_misuse_raises_errors_that_name_the_fix() -> None:
-    assert len(run_distributed(_misuse, 2, timeout_s=30)[0]) == 12
+    assert len(run_distributed(_misuse, 2, timeout_s=30)[0]) == 13
 
 
 def _inner_steps_do_no_outer_work(H: int) -> list[int]:
@@ -376,3 +378,34 @@ def test_join_with_uneven_inputs_averages_over_the_replicas_that_contributed(wor
     # negative control: dividing by every replica (a finished one counted as a zero outer gradient) is far off
     wrong = run_distributed(_uneven, world, H, F, delay, False, timeout_s=30)
     assert min(r["difference"] for r in wrong) > 1e-4
+
+
+def _failing_exchange(delay: int) -> str:
+    rank, world = rank_world()
+    model = make_model("mlp")
+    outer = diloco.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.01), 4, fragments=2, delay=delay)
+    original = dist.all_to_all_single
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: connection reset by peer")
+
+    dist.all_to_all_single = broken  # on every rank, so no rank waits for a partner that will not come
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            for t in range(4):
+                x, y = mlp_batch(world, rank, t)
+                outer.zero_grad()
+                loss_fn(model(x), y).backward()
+                outer.step()
+    finally:
+        dist.all_to_all_single = original
+    assert outer.step_count == 2 + delay  # raised where fragment 0 lands, not later
+    outer.close()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_failed_exchange_raises_where_it_lands_naming_fragment_and_step(delay: int) -> None:
+    for message in run_distributed(_failing_exchange, 2, delay, timeout_s=30):
+        assert "outer exchange of fragment 0 (started after inner step 2) failed on rank" in message, message
+        assert "injected: connection reset by peer" in message

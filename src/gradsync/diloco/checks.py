@@ -75,3 +75,27 @@ def check_knobs(alpha: float, outer_optimizer: Callable[..., Any] | None) -> Non
 def check_outer_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"outer_optimizer(params) must return a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+
+
+def check_replicas_agree(settings: dict[str, Any], groups: list[dist.ProcessGroup]) -> None:
+    """Every process built DiLoCo the same way: a different schedule or layout would pair collectives
+    that do not belong together (a hang, or a silently wrong average). All ranks see the same gathered
+    list, so all of them raise together."""
+    for group in groups:
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, settings, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        differ = {
+            ranks[i]: {k: other.get(k) for k in settings if other.get(k) != everyone[0].get(k)}
+            for i, other in enumerate(everyone)
+            if other != everyone[0]
+        }
+        if differ:
+            keys = sorted({k for values in differ.values() for k in values})
+            ours = {k: everyone[0].get(k) for k in keys}
+            raise ValueError(
+                f"DiLoCo must be built the same way on every process it exchanges with; ranks {sorted(differ)} differ "
+                f"from rank {ranks[0]} in {keys} (seen on rank {dist.get_rank()}): rank {ranks[0]} has {ours}, "
+                f"{'; '.join(f'rank {r} has {v}' for r, v in differ.items())}. Pass the same sync_every, fragments, "
+                "delay, alpha, wire and model everywhere."
+            )

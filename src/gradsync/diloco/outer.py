@@ -100,6 +100,10 @@ class DiLoCo:
         ]
         self.outer_optimizer = (outer_optimizer or nesterov)([f.theta for f in self.fragments])
         checks.check_outer_optimizer(self.outer_optimizer)
+        agreed = {**self._description(), "alpha": self.alpha, "outer": type(self.outer_optimizer).__name__}
+        agreed["sizes"] = [(f.numel, str(f.theta.dtype)) for f in self.fragments]
+        groups = [self.topology.outer] + ([self.topology.island] if self.topology.island is not None else [])
+        checks.check_replicas_agree(agreed, groups)
         self.exchange = OuterExchange(self.topology, self.wire_format, overlap=delay > 0)
         self.step_count = 0  # inner steps taken: the schedule's clock, the same on every replica
         self._next_event = self.schedule.next_event(0)
