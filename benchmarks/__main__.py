@@ -43,6 +43,8 @@ STUDIES: dict[str, tuple[str, bool, str]] = {
     "link_chart": (SINGLE, False, " --out PNG SUITE_REPORT..."),
     "zero": (LAUNCHER, True, " {memory,speed}"),
     "etcd": (LAUNCHER, False, " {faults,decide,overhead,all}"),
+    "diloco_task": (TORCHRUN, True, " --steps N --seeds S ..."),
+    "gpu_step": (SINGLE, False, ""),
 }
 HEADLINE = "iteration"  # make bench
 

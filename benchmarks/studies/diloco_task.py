@@ -1,0 +1,198 @@
+"""DiLoCo on a real task: a character LM's validation loss against wall-clock, DDP vs (Streaming) DiLoCo.
+
+Run from the repository root (on a shaped link, as root):
+
+    python -m benchmarks diloco_task --link 100mbit --steps 2000 --seeds 1
+    python -m benchmarks diloco_task --steps 600            # plain loopback
+
+The first is ``python -m benchmarks.studies.diloco_task --link 100mbit ...`` (it starts torchrun with
+2 ranks inside the namespace itself), the second
+``OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m benchmarks.studies.diloco_task``.
+
+The task is examples/train_charlm.py's: the English text of ``pydoc_data/topics.py`` (ships with
+CPython), the last 10% held out; a pre-norm transformer, context 128, width 128, 2 layers (0.44 M
+parameters); AdamW inner (lr 1e-3, weight decay 0.1, betas 0.9/0.95), 16 sequences per rank per
+step. Every contender starts from the same weights and each rank sees the same batches in every
+contender (its own generator, seeded by seed and rank); contenders train the same number of inner
+steps one after the other, in an order rotated per seed. Wall-clock is training time only, the
+slowest rank's (each rank sums its own step times; evaluation is excluded and synchronised by a
+barrier); the validation loss is rank 0's parameters on 10 fixed held-out batches of 32, every
+``--eval-every`` steps (a multiple of H, so right after an outer step for blocking DiLoCo).
+
+Contenders: gradsync DDP (every step all-reduced: 32 sequences per step), DiLoCo H = 50 (outer
+Nesterov 0.7 / 0.9) in fp32 and in int8, Streaming DiLoCo H = 50, F = 2, delay 2, int8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import gradsync.diloco
+from benchmarks.lib import launch, link
+from benchmarks.lib.common import REPO, MachineLoad, environment_lines, report_path, today
+from gradsync import DistributedDataParallel as DDP
+
+_spec = importlib.util.spec_from_file_location("train_charlm", Path(REPO) / "examples" / "train_charlm.py")
+charlm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(charlm)
+
+H = 50
+CONTENDERS: dict[str, dict[str, Any] | None] = {
+    "DDP": None,
+    "DiLoCo H=50 fp32": {"fragments": 1, "delay": 0, "wire": "fp32"},
+    "DiLoCo H=50 int8": {"fragments": 1, "delay": 0, "wire": "int8"},
+    "Streaming H=50 F=2 delay 2 int8": {"fragments": 2, "delay": 2, "wire": "int8"},
+}
+
+
+def train(name: str, seed: int, steps: int, eval_every: int, data: tuple) -> dict[str, Any]:
+    train_data, held_out, vocabulary = data
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    model = charlm.CharLM(vocabulary, 128, 2)
+    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+    knobs = CONTENDERS[name]
+    if knobs is None:
+        trained = DDP(model)
+        inner = torch.optim.AdamW(trained.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+        stepper: Any = inner
+    else:
+        trained = model
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+        stepper = gradsync.diloco.DiLoCo(model, inner, H, outer_optimizer=gradsync.diloco.nesterov, **knobs)
+    curve, elapsed, step_times = [], 0.0, []
+    dist.barrier()
+    for step in range(1, steps + 1):
+        x, y = charlm.batch(train_data, 16, generator)
+        start = time.perf_counter()
+        inner.zero_grad()
+        charlm.loss_of(trained, x, y).backward()
+        stepper.step()
+        step_times.append(time.perf_counter() - start)
+        elapsed += step_times[-1]
+        if step % eval_every == 0:
+            wall = torch.tensor([elapsed], dtype=torch.float64)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # a step is done when every rank is
+            curve.append((step, wall.item(), charlm.validation_loss(model, held_out)))
+            dist.barrier()
+    sent = 0.0
+    if knobs is not None:
+        stepper.close()
+        sent = stepper.wire.sent_bytes / steps
+    else:
+        sent = 2 * (dist.get_world_size() - 1) / dist.get_world_size() * trained.stats().bytes_reduced_per_iteration
+    return {"curve": curve, "median_step_ms": statistics.median(step_times) * 1e3, "bytes_per_step": sent}
+
+
+def time_to(curve: list[tuple[int, float, float]], target: float) -> float | None:
+    """Wall-clock of the first evaluation at or below ``target`` (None: never reached)."""
+    return next((wall for _, wall, loss in curve if loss <= target), None)
+
+
+def write_report(runs: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace, load: str) -> None:
+    chart = report_path("diloco-task", "png")
+    lines = [
+        f"# DiLoCo on a real task: character LM, {args.steps} inner steps, seeds {args.seeds} ({today()})",
+        "",
+        *environment_lines(launch.command_line()),
+        f"- machine load while measuring: {load}",
+        "",
+        "The method is in the script's docstring. Ratios are against DDP of the same seed, in the same run. "
+        "Time to DDP's loss: wall-clock of the first evaluation at or below DDP's final validation loss, "
+        f"divided by DDP's whole wall-clock (evaluations every {args.eval_every} steps, so this is coarse).",
+        "",
+        f"![validation loss against wall-clock]({chart.name})",
+        "",
+        "| seed | contender | final val loss | vs DDP | wall-clock s | vs DDP | time to DDP's loss vs DDP's time | "
+        "median step ms | bytes sent per inner step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for seed, results in runs.items():
+        ddp = results["DDP"]
+        ddp_loss, ddp_wall = ddp["curve"][-1][2], ddp["curve"][-1][1]
+        for name, r in results.items():
+            loss, wall = r["curve"][-1][2], r["curve"][-1][1]
+            reached = time_to(r["curve"], ddp_loss)
+            to_loss = "not reached" if reached is None else f"{reached / ddp_wall:.2f}"
+            lines.append(
+                f"| {seed} | {name} | {loss:.4f} | {loss / ddp_loss:.3f} | {wall:.1f} | {wall / ddp_wall:.2f} | "
+                f"{to_loss} | {r['median_step_ms']:.1f} | {r['bytes_per_step']:.0f} |"
+            )
+    lines += ["", "Validation loss at each evaluation (step: loss), first seed:", ""]
+    first = next(iter(runs.values()))
+    for name, r in first.items():
+        lines.append(f"- {name}: " + ", ".join(f"{s}: {v:.3f}" for s, _, v in r["curve"]))
+    path = report_path("diloco-task")
+    path.write_text("\n".join(lines) + "\n")
+    _chart(runs, chart)
+    print(path.read_text())
+    print(f"report: {path}")
+
+
+def _chart(runs: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for seed, results in runs.items():
+        for i, (name, r) in enumerate(results.items()):
+            steps, walls, losses = zip(*r["curve"])
+            style = {"color": f"C{i}", "linewidth": 1.2, "label": name if seed == next(iter(runs)) else None}
+            axes[0].plot(walls, losses, **style)
+            axes[1].plot(steps, losses, **style)
+    axes[0].set_xlabel("wall-clock of training, s (slowest rank)")
+    axes[1].set_xlabel("inner step")
+    for ax in axes:
+        ax.set_ylabel("validation loss")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"char LM, 2 replicas: DDP vs DiLoCo ({link.current() or 'plain loopback'})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1])
+    parser.add_argument("--link", help="rate of a shaped loopback link (100mbit, 1gbit): start with python")
+    args = parser.parse_args()
+    if args.eval_every % H:
+        raise SystemExit(f"--eval-every must be a multiple of H = {H}")
+    link.enter(args.link, nproc=2)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    data = charlm.corpus()
+    load = MachineLoad()
+    load.start()
+    runs: dict[int, dict[str, dict[str, Any]]] = {}
+    names = list(CONTENDERS)
+    for k, seed in enumerate(args.seeds):
+        order = names[k % len(names) :] + names[: k % len(names)]
+        results = {}
+        for name in order:
+            results[name] = train(name, seed, args.steps, args.eval_every, data)
+            if dist.get_rank() == 0:
+                step, wall, loss = results[name]["curve"][-1]
+                print(f"seed {seed} {name}: {wall:.1f} s, val loss {loss:.4f}", flush=True)
+        runs[seed] = {name: results[name] for name in names}
+    load.stop()
+    if dist.get_rank() == 0:
+        write_report(runs, args, load.describe())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
