@@ -43,7 +43,8 @@ class Records:
             self.graph_static = False
         self._last_unused = unused_indices
         unused = tuple(names[i] for i in unused_indices)
-        nbytes, sizes = buckets.nbytes, [s.nbytes for s in buckets.storages]
+        # Bucket sizes only while tracing: summing every parameter's bytes per iteration is not free.
+        nbytes, sizes = buckets.nbytes, None if self._timeline is None else [s.nbytes for s in buckets.storages]
         if self.clock is None:
             self._add(iteration, times, nbytes, sizes, unused)
         else:  # once the GPU has run it ([Note: CUDA-event timings] in observability/cuda_clock.py)
@@ -53,10 +54,10 @@ class Records:
             warnings.warn(errors.nothing_unused(rank, iteration), UserWarning, stacklevel=2)
 
     def _add(
-        self, iteration: int, times: IterationTimes, nbytes: int, sizes: list[int], unused: tuple[str, ...]
+        self, iteration: int, times: IterationTimes, nbytes: int, sizes: list[int] | None, unused: tuple[str, ...]
     ) -> None:
         self.running.add(times, nbytes, unused)
-        if self._timeline is not None:
+        if self._timeline is not None and sizes is not None:
             self._timeline.add_iteration(iteration, times, sizes)
 
     @property
