@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..observability.timing import IterationTimes, now
+from .autograd_context import ContextGradients
 from .buckets import ParamInfo, assign_buckets
 from .results import check_result, failure_message, wait_for
 from .storage import BucketStorage
@@ -105,6 +106,9 @@ class BucketSet:
         self._backups: dict[int, torch.Tensor] = {}
         self._in_place: set[int] = set()  # buckets reduced in their parameter's .grad this iteration
         self._in_place_ptrs: dict[int, int] = {}  # data_ptr of each such .grad -> its parameter
+        # Set for a backward under distributed autograd: gradients are read from and written into
+        # its context, never .grad ([Note: DDP under distributed autograd] in autograd_context.py).
+        self.context: ContextGradients | None = None
 
     def rebuilt(
         self,
@@ -157,7 +161,7 @@ class BucketSet:
     def in_place_target(self, b: int, unused: set[int], names: list[str]) -> torch.Tensor | None:
         """The ``.grad`` to reduce bucket ``b`` in, if it can be ([Note: reducing a lone gradient in place])."""
         storage = self.storages[b]
-        if not storage.untouched:
+        if not storage.untouched or self.context is not None:
             return None
         param = storage.params[0]
         grad = param.grad
@@ -196,7 +200,10 @@ class BucketSet:
         one ``_foreach_copy_`` and divided by one ``div_`` of the flat buffer.
         """
         storage = self.storages[b]
-        grads = [p.grad for p in storage.params]
+        if self.context is None:
+            grads = [p.grad for p in storage.params]
+        else:  # the context keeps its own tensors: copied in and out, never aliased
+            grads, as_view = self.context.read(storage.params), False
         if self._in_place_ptrs:
             self._check_not_in_flight(grads, storage.param_indices, names)
         divide = divisor != 1.0  # a one-rank group averages over itself: no pass at all
@@ -244,6 +251,14 @@ class BucketSet:
                 storage.flat.div_(divisor)
             else:
                 torch._foreach_div_(in_place, divisor)
+
+    def sparse_grad(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s one sparse gradient, coalesced (empty where this rank has none)."""
+        param = self.storages[b].params[0]
+        grad = param.grad if self.context is None else self.context.read([param])[0]
+        if grad is None:  # unused here: contribute an empty sparse gradient of the right shape
+            grad = self.zeros_like_bucket(b)
+        return grad.coalesce()
 
     # ------------------------------------------------------------------ copy out
     def write_back(
@@ -342,7 +357,9 @@ class BucketSet:
         storage = self.storages[b]
         if storage.sparse:
             index = storage.param_indices[0]
-            if globally_used is None or globally_used[index]:
+            if self.context is not None:
+                self.context.write(storage.params, [result])
+            elif globally_used is None or globally_used[index]:
                 storage.params[0].grad = result
             return None
         storage.refresh_views_if_moved()
@@ -351,7 +368,20 @@ class BucketSet:
             if problem:
                 return problem
             storage.flat.copy_(result.view(-1))
+        if self.context is not None:
+            return self._write_into_context(storage, globally_used)
         self._copy_out(storage, as_view, globally_used, unused)
+        return None
+
+    def _write_into_context(self, storage: BucketStorage, used: list[bool] | None) -> None:
+        """A dist backward's averages, into the context's own gradient tensors.
+
+        Nothing public adds a gradient to a context, so a parameter this rank did not use but
+        another did cannot get its average here: named, rather than left to step on one rank only.
+        """
+        missing = self.context.write(storage.params, storage.views)
+        indices = storage.param_indices
+        self.context.unplaced.extend(indices[k] for k in missing if used is not None and used[indices[k]])
         return None
 
     def _copy_out(self, storage: BucketStorage, as_view: bool, used: list[bool] | None, unused: set[int]) -> None:

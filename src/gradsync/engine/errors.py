@@ -98,3 +98,61 @@ def backward_error(problems: list[str | Exception], describe_failure: Callable[[
     if any(" failed on bucket " in m for m in messages):
         message = describe_failure(message)
     return RuntimeError(message)
+
+
+# ---------------------------------------------------------------------- distributed autograd
+def autograd_grad_through_wrapper(rank: int, iteration: int) -> str:
+    return (
+        "DistributedDataParallel doesn't work with torch.autograd.grad(): it only averages gradients "
+        "accumulated into .grad (loss.backward()) or into a distributed autograd context "
+        f"(dist_autograd.backward). On rank {rank}, iteration {iteration}, torch.autograd.grad() took "
+        "wrapped parameters as inputs and would return this rank's own, unaveraged gradients. Use "
+        "loss.backward() and read .grad; for a local gradient on purpose (a gradient penalty), run "
+        "that forward under ddp.no_sync() or on ddp.module."
+    )
+
+
+def context_entered_after_forward(rank: int, iteration: int) -> str:
+    return (
+        f"On rank {rank}, iteration {iteration}: dist_autograd.backward() ran through a forward that "
+        "was called outside any distributed autograd context, so the averaged gradients have no "
+        "context to go into (this rank's local gradients were sent, so the other ranks did not "
+        "hang). Call the DistributedDataParallel forward inside `with dist_autograd.context() as "
+        "context_id:` and run dist_autograd.backward(context_id, [loss]) in the same context."
+    )
+
+
+def ordinary_backward_in_context(context_id: int, rank: int, iteration: int) -> str:
+    return (
+        f"On rank {rank}, iteration {iteration}: the forward ran inside distributed autograd context "
+        f"{context_id}, but its backward was an ordinary one (loss.backward()): the averaged gradients "
+        "were written to .grad, where DistributedOptimizer does not look, so this rank would not "
+        "step its replica. Use dist_autograd.backward(context_id, [loss]) inside the context, or run "
+        "the forward outside it to train with .grad and a local optimizer."
+    )
+
+
+def context_released(context_id: int, rank: int, iteration: int) -> str:
+    return (
+        f"On rank {rank}, iteration {iteration}: distributed autograd context {context_id} was released "
+        "before the averaged gradients could be written into it. Keep the forward, "
+        "dist_autograd.backward and the optimizer step inside one `with dist_autograd.context()` block."
+    )
+
+
+def unsupported_under_dist_autograd(what: str, rank: int) -> str:
+    return (
+        f"{what} is not supported under distributed autograd (dist_autograd.backward) on rank {rank}: "
+        "it works on .grad, which distributed autograd does not write. Use loss.backward() with it, "
+        "or train the wrapper without it under the RPC framework."
+    )
+
+
+def average_without_place(names: list[str], rank: int, iteration: int) -> str:
+    return (
+        f"Parameters {names} got no gradient on rank {rank} in iteration {iteration} but did on other "
+        "ranks. Under distributed autograd the average can only be written where the context already "
+        "holds a gradient (nothing public adds one), so this rank's DistributedOptimizer would not step "
+        "them while the others do. Make every rank's forward use them (e.g. add 0 * their output), or "
+        "train with loss.backward() and .grad."
+    )

@@ -13,6 +13,8 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside ``obj``: tensors, lists, tuples, dicts and dataclasses."""
     if isinstance(obj, torch.Tensor):
         yield obj
+    elif _is_owned_rref(obj):  # an RRef this process owns: what it holds (as torch's DDP does)
+        yield from iter_tensors(obj.local_value())
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from iter_tensors(item)
@@ -22,6 +24,12 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, field.name))
+
+
+def _is_owned_rref(obj: Any) -> bool:
+    rpc = getattr(torch.distributed, "rpc", None)
+    rref = getattr(rpc, "RRef", None) if rpc is not None and rpc.is_available() else None
+    return rref is not None and isinstance(obj, rref) and obj.is_owner()
 
 
 def output_grad_fns(output: Any) -> list[torch.autograd.graph.Node]:

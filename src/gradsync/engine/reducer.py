@@ -45,11 +45,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from ..observability.cuda_clock import cuda_clock_for
 from ..observability.desync import DesyncDetector, Position
 from ..observability.labels import label
 from ..observability.stats import DDPStats
 from ..observability.timing import now
 from . import errors, graph, ownership
+from .autograd_context import BackwardKind, ContextGradients, DistributedBackwards
 from .backward_pass import BackwardPass
 from .bucket_set import BucketSet
 from .config import ReducerConfig
@@ -59,6 +61,7 @@ from .rebuild import BucketRebuild
 from .records import Records, collect_stats
 from .reductions import AllReduce, CommHook, CommHookReduction, LaunchContext, Reduction
 from .static_graph import Firing, StaticGraphCounts
+from .streams import stream_order_for
 from .tolerance import Tolerance
 from .usage import ParameterUsage
 
@@ -111,7 +114,10 @@ class Reducer:
         self.static = StaticGraphCounts(count)  # static_graph's hook counts (static_graph.py)
         self.rebuild = BucketRebuild(count, enabled=config.static_graph or not config.find_unused_parameters)
         self.divisor = Divisor(self.world_size)  # what sums are divided by (divisor.py)
-        self.records = Records(len(self.buckets.storages))  # stats, trace timeline, last error (records.py)
+        # stats, trace timeline, last error (records.py); on CUDA read from events (observability/cuda_clock.py)
+        self.records = Records(len(self.buckets.storages), cuda_clock_for(self.buckets.device))
+        # CUDA only, else None: the streams each bucket waits for before launch ([Note: stream order] in streams.py)
+        self.streams = stream_order_for(self.buckets.device)
         self.tolerance = Tolerance(config.keep_local_grads)  # the fault-tolerant mode's failures (tolerance.py)
         self.state = ReducerState.IDLE
         self.iteration = 0  # synced backwards finalized so far
@@ -121,6 +127,8 @@ class Reducer:
         self.current = BackwardPass(count, self.buckets)
         self._output_hooks: list[Any] = []  # pre-hooks on the armed forward's output nodes
         self._callback_queued = False
+        # each backward's kind, and the context a dist backward writes into (autograd_context.py)
+        self.distributed = DistributedBackwards(self, self.params)
         self._grad_hooks = ownership.GradHooks(self, self.params)
         for previous in ownership.claim(self, self.params):
             previous.retire()
@@ -131,12 +139,21 @@ class Reducer:
         self.static.reset()
         self.divisor.reset()
         self.buckets.begin_iteration()
+        if self.streams is not None:  # CUDA
+            self.streams.begin_pass(self.buckets.bucket_of, len(self.buckets.storages))
+            self.records.clock.begin_pass(len(self.buckets.storages))
 
     def before_forward(self) -> None:
         """Before every grad-enabled forward: check the last backward finished; rebuild once."""
         if self.state is ReducerState.REDUCING:
+            if self.buckets.context is not None:
+                # A dist backward whose gradients did not all arrive: finish it now, so the other
+                # ranks' collectives complete, and raise naming the parameters that got none.
+                self._finalize_callback()
             raise RuntimeError(errors.backward_never_finished(self.rank, self.iteration))
         self.rebuild_once()
+        if self.records.clock is not None:
+            self.records.clock.forward_started()
 
     def arm(self, output: Any) -> None:
         """After a synced forward: the next backward through ``output`` reduces.
@@ -150,14 +167,19 @@ class Reducer:
             handle.remove()
         roots = graph.output_grad_fns(output)
         self._output_hooks = [node.register_prehook(self._on_output_backward) for node in roots]
+        self.distributed.arm()
         if self.config.find_unused_parameters and not self.config.static_graph:
+            roots = self.distributed.search_roots(roots)
             self.usage.search(roots, self.params, combine=self.state is ReducerState.ARMED)
         self.state = ReducerState.ARMED
         self.synced_forwards += 1
+        if self.records.clock is not None:
+            self.records.clock.forward_ended()
         self._begin_pass()
 
     def disarm(self) -> None:
         """After a forward that must not sync (``no_sync``): its backward accumulates locally."""
+        self.distributed.end_backward()
         if self.state is ReducerState.ARMED:
             self.state = ReducerState.IDLE
 
@@ -183,7 +205,13 @@ class Reducer:
             self.state = ReducerState.ARMED
             self._begin_pass()
         if self.state is ReducerState.ARMED:
-            self._queue_finalize()
+            kind = self.distributed.kind_at_start()
+            if kind is BackwardKind.AUTOGRAD_GRAD:
+                raise RuntimeError(errors.autograd_grad_through_wrapper(self.rank, self.iteration))
+            if kind is BackwardKind.ORDINARY:
+                self._queue_finalize()
+            # Otherwise a dist backward (its hooks queue the end of backward) or one that
+            # accumulates into no parameter of ours: nothing to reduce.
 
     def _queue_finalize(self) -> None:
         if not self._callback_queued:
@@ -198,6 +226,8 @@ class Reducer:
             if state is not ReducerState.ARMED:
                 return  # no_sync, or a backward not through a synced forward's outputs
             self._begin_reduction()
+        if self.streams is not None:  # CUDA: which stream produced this gradient ([Note: stream order])
+            self.streams.note(index)
         if self.config.static_graph:
             self._on_static_grad(index)
             return
@@ -222,11 +252,53 @@ class Reducer:
         elif firing is Firing.TOO_MANY:
             self.current.errors.append(self._static_graph_error(index))
 
-    def _begin_reduction(self) -> None:
+    def _on_context_grad(self, index: int, incoming: torch.Tensor | None) -> None:
+        """An ``AccumulateGrad`` node's post hook (registered once RPC runs): under distributed
+        autograd it reports what the post-accumulate-grad hook reports in an ordinary backward."""
+        if self.distributed.kind_for(index) is BackwardKind.ORDINARY:
+            return  # the post-accumulate-grad hook has reported it
+        if self.state is ReducerState.ARMED:
+            self._begin_context_reduction()
+        if self.state is ReducerState.REDUCING:
+            context = self.buckets.context
+            if context is not None and context.context_id is None and incoming is not None:
+                context.captured[id(self.params[index])] = incoming
+            if self.distributed.first_in_task():  # one end-of-backward check per graph task
+                Variable._execution_engine.queue_callback(self._on_context_callback)
+        self._on_grad_accumulated(index, self.params[index])
+
+    def _begin_context_reduction(self) -> None:
+        """The first gradient of a dist backward: read from and write into the armed forward's context."""
+        plain = isinstance(self.reduction, (AllReduce, CommHookReduction)) and self.fused_optimizer is None
+        if self.tolerance.enabled or not plain:
+            what = "The fault-tolerant mode" if self.tolerance.enabled else "A sharded or fused optimizer"
+            raise RuntimeError(errors.unsupported_under_dist_autograd(what, self.rank))
+        self.buckets.context = ContextGradients(self.distributed.armed_context)
+        if self.distributed.armed_context is None:
+            self.current.errors.append(errors.context_entered_after_forward(self.rank, self.iteration))
+        self._begin_reduction(queue_finalize=False)
+
+    def _on_context_callback(self) -> None:
+        """The end of one graph task of a dist backward: finish once every bucket was launched. A
+        gradient that comes back later through an RPC arrives in a later task; one that never
+        comes is found at the next forward (``before_forward``)."""
+        if self.state is not ReducerState.REDUCING:
+            return
+        all_launched = self.current.next_bucket == len(self.buckets.storages)
+        if all_launched or (self.config.static_graph and self.static.learning):
+            self._finalize_callback()
+
+    def _begin_reduction(self, queue_finalize: bool = True) -> None:
+        context_id = self.distributed.armed_context
+        if queue_finalize and context_id is not None:  # an ordinary backward after a forward in a context
+            self.current.errors.append(errors.ordinary_backward_in_context(context_id, self.rank, self.iteration))
         self.state = ReducerState.REDUCING
         self.phase = "backward"
         self.current.times.backward_start = now()
-        self._queue_finalize()
+        if self.records.clock is not None:
+            self.records.clock.backward_started()
+        if queue_finalize:
+            self._queue_finalize()
         unused = self.static.unused if not self.static.learning else (self.usage.forward_unused or set())
         self.current.known_unused = unused
         for index in sorted(unused):
@@ -261,9 +333,14 @@ class Reducer:
             ):
                 current.launched.append(None)  # skip_all_reduce_unused_params: no collective, .grad untouched
                 return
+            if self.streams is not None:  # CUDA: [Note: stream order] in streams.py
+                self.streams.wait_for_producers(b)
+                self.records.clock.launched(b)
             started = self.reduction.start(self._launch_context(), b)
             current.launched.append(started.pending)
             current.errors.extend(started.errors)
+            if self.streams is not None:
+                self.records.clock.watch(b, started.pending)
             if self.records.timeline is not None and started.pending is not None:
                 self.records.watch_completion(current.times, b, started.pending)
 
@@ -288,10 +365,14 @@ class Reducer:
                 self._finalize()
         finally:
             self.state = ReducerState.FINALIZED
+            self.buckets.context = None  # later backwards read .grad unless they too are dist ones
+            self.distributed.end_backward()
 
     def _finalize(self) -> None:
         current, config = self.current, self.config
         current.times.finalize_start = now()
+        if self.records.clock is not None:
+            self.records.clock.finalize_started()
         self.phase = "the wait for gradient reductions at the end of backward"
         first_static_iteration = config.static_graph and self.static.learning
         ready = current.ready
@@ -330,6 +411,12 @@ class Reducer:
         warn = config.find_unused_parameters and not config.static_graph
         self.records.record(self.iteration, current, self.buckets, self.names, self.rank, warn)
         self.iteration += 1
+        context = self.buckets.context
+        if context is not None and context.missing_context:
+            current.errors.append(errors.context_released(context.context_id, self.rank, self.iteration - 1))
+        if context is not None and context.unplaced and not context.missing_context:
+            names = [self.names[i] for i in sorted(context.unplaced)]
+            current.errors.append(errors.average_without_place(names, self.rank, self.iteration - 1))
         if current.errors:
             self._raise_errors(current.errors)
 
@@ -479,6 +566,7 @@ class Reducer:
 
     def remove_hooks(self) -> None:
         self._grad_hooks.remove()
+        self.distributed.remove_hooks()
         for handle in self._output_hooks:
             handle.remove()
         self._output_hooks = []

@@ -123,7 +123,7 @@ class AllReduce(Reduction):
         buckets = context.buckets
         storage = buckets.storages[b]
         if storage.sparse:  # one parameter, reduced as the sparse tensor it is
-            grad = _sparse_grad(buckets, b) / context.take_divisor()
+            grad = buckets.sparse_grad(b) / context.take_divisor()
             return Started(dist.all_reduce(grad, group=self.group, async_op=True).get_future(), [])
         errors: list[str | Exception] = []
         target = None
@@ -163,7 +163,7 @@ class CommHookReduction(Reduction):
         storage = buckets.storages[b]
         is_last = b == len(buckets.storages) - 1
         if storage.sparse:
-            return Started(self.hook(self.state, GradBucket(b, _sparse_grad(buckets, b), storage, is_last)), [])
+            return Started(self.hook(self.state, GradBucket(b, buckets.sparse_grad(b), storage, is_last)), [])
         errors: list[str | Exception] = []
         try:
             buckets.gather_grads(b, context.as_view, context.unused, context.names, 1.0)
@@ -193,10 +193,3 @@ class CommHookReduction(Reduction):
         finish = getattr(self.state, "finish_launches", None)
         if callable(finish):
             finish()
-
-
-def _sparse_grad(buckets: BucketSet, b: int) -> torch.Tensor:
-    grad = buckets.storages[b].params[0].grad
-    if grad is None:  # unused here: contribute an empty sparse gradient of the right shape
-        grad = buckets.zeros_like_bucket(b)
-    return grad.coalesce()
