@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from emulated_group import EmulatedGroup
@@ -19,6 +20,7 @@ from gradsync.engine.streams import StreamOrder, stream_order_for
 from gradsync.observability.cuda_clock import MAX_PENDING, CudaClock, cuda_clock_for
 from gradsync.observability.timing import IterationTimes
 from gradsync.wrapper.device import move_to_device, tensor_to_device
+from gradsync.zero import ShardedOptimizer
 
 from harness import run_distributed
 from models import MLP, global_batch, grads_of, loss_fn, rank_world, reference_step, shard
@@ -223,6 +225,36 @@ def test_clock_waits_for_a_bucket_that_has_not_reported() -> None:
     assert len(delivered) == 1 and all(delivered[0].bucket_done)
 
 
+def _watch_every_kind_of_pending() -> bool:
+    clock, _ = _clock()
+    delivered: list[IterationTimes] = []
+    clock.forward_started()
+    clock.forward_ended()
+    clock.begin_pass(3)
+    clock.backward_started()
+
+    class CarriesWork:  # what a reduce-scatter leaves in flight (collectives/sharded.py's PendingReduceScatter)
+        def __init__(self, work: object) -> None:
+            self.work = work
+
+    work = dist.all_reduce(torch.ones(1), async_op=True)
+    hook_future = Future()
+    for b, pending in enumerate((work, hook_future, CarriesWork(work))):
+        clock.launched(b)
+        clock.watch(b, pending)
+    clock.watch(0, object())  # nothing to watch: ignored, not an error
+    hook_future.complete()
+    work.wait()
+    clock.finalize_started()
+    clock.finished(IterationTimes(3), delivered.append)
+    clock.collect(wait=True)
+    return len(delivered) == 1 and all(delivered[0].bucket_done)
+
+
+def test_clock_finds_the_future_of_every_kind_of_pending_reduction() -> None:
+    assert run_distributed(_watch_every_kind_of_pending, 1) == [True]
+
+
 def test_captured_pass_keeps_host_times() -> None:
     streams = Streams()
     clock = CudaClock(CPU, new_event=FakeEvent, current_stream=streams, capturing=lambda: True)
@@ -320,3 +352,33 @@ def _emulated_group_parity() -> dict[str, list[str]]:
 def test_emulated_group_gives_local_gradients_to_both_ddps_on_cpu() -> None:
     calls = run_distributed(_emulated_group_parity, 1)[0]
     assert "allreduce" in calls["gradsync"] and "allreduce" in calls["torch"]
+
+
+def _sharded_with_fakes(stage: int) -> float:
+    """A sharded optimizer's reduce-scatter launched and timed through the CUDA side (fakes) trains as without."""
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    model, reference = MLP(), MLP()
+    reference.load_state_dict(model.state_dict())
+    results = []
+    for net, fake in ((model, True), (reference, False)):
+        ddp = DDP(net, bucket_cap_mb=1000 / 2**20)
+        if fake:
+            streams = Streams()
+            ddp.engine.streams = StreamOrder(CPU, streams)
+            clock = CudaClock(CPU, new_event=FakeEvent, current_stream=streams, capturing=lambda: False)
+            ddp.engine.records.clock = clock
+        optimizer = ShardedOptimizer(ddp, torch.optim.SGD, stage=stage, lr=0.1)
+        for step in range(3):
+            x, y = global_batch("mlp", world, step)
+            optimizer.zero_grad()
+            loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+            optimizer.step()
+        results.append(ddp.stats())
+    assert results[0].timing == "CUDA events" and results[0].iterations == 3
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_sharded_optimizer_through_the_cuda_side() -> None:
+    for stage in (1, 2):
+        assert max(run_distributed(_sharded_with_fakes, 2, stage)) == 0.0

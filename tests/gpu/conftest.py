@@ -19,12 +19,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from gpu_models import NO_CUDA  # noqa: E402 - found through the path just set
+
 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
 os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "0")
-
-NO_CUDA = (
-    "needs CUDA: torch.cuda.is_available() is False here; tests/gpu runs on a GPU machine (tests/gpu/run_on_device.sh)"
-)
 
 
 def _free_port() -> int:

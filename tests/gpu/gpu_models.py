@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 CUDA = torch.device("cuda", 0)
+NO_CUDA = (
+    "needs CUDA: torch.cuda.is_available() is False here; tests/gpu runs on a GPU machine (tests/gpu/run_on_device.sh)"
+)
 BRANCH_SLEEP_CYCLES = 100_000_000  # ~50-70 ms: a branch's backward much slower than the other's
 
 
@@ -33,6 +36,9 @@ class TwoBranches(nn.Module):
 
     ``slow`` ("a" or "b") names the branch whose backward sleeps, so its gradients arrive late on its
     stream: a bucket launched from the other branch's stream without waiting for it reads them too early.
+    Autograd runs the later branch (b) first on the host, so the bucket of all three layers completes in
+    a's hook, on a's stream: with ``slow="b"`` a launch that does not wait for b's stream reads b's
+    gradients before they are written; with ``slow="a"`` the launch is ordered after them anyway.
     """
 
     def __init__(self, slow: str, width: int = 64) -> None:
@@ -51,8 +57,9 @@ class TwoBranches(nn.Module):
         for name, stream in zip("ab", self.streams):
             stream.wait_stream(caller)
             with torch.cuda.stream(stream):
-                h = Delay.apply(x) if name == self.slow else x
-                outputs.append(torch.tanh(getattr(self, name)(h)))
+                h = torch.tanh(getattr(self, name)(x))
+                # After the layer, so that in backward the sleep comes *before* its parameters' gradients.
+                outputs.append(Delay.apply(h) if name == self.slow else h)
         for stream in self.streams:
             caller.wait_stream(stream)
         return self.head(outputs[0] + outputs[1])

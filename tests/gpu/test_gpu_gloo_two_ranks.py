@@ -16,11 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_models import CUDA, ConvBN, batch, forward_kwargs, model_and_reference
+from gpu_models import CUDA, NO_CUDA, ConvBN, batch, forward_kwargs, model_and_reference
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
-from conftest import NO_CUDA
 from gradsync import DistributedDataParallel as DDP
 
 from harness import run_distributed

@@ -18,9 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_models import batch, model_and_reference
+from gpu_models import NO_CUDA, batch, model_and_reference
 
-from conftest import NO_CUDA
 from gradsync import DistributedDataParallel as DDP
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
@@ -56,6 +55,9 @@ def test_whole_step_in_a_cuda_graph(nccl_world, as_view: bool) -> None:
     for step in range(WARMUP):
         eager_reference_step(step)
 
+    # Nothing of the warm-up left in flight: NCCL's watchdog then has no earlier work to poll (an event
+    # query from another thread during a capture in the default "global" mode invalidates it).
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     optimizer.zero_grad(set_to_none=True)
     with torch.cuda.graph(graph):  # records, does not run: the reference takes no step for it

@@ -16,12 +16,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from gpu_models import CUDA, assert_same_grads, batch, forward_kwargs, model_and_reference, no_host_sync
+from gpu_models import CUDA, NO_CUDA, assert_same_grads, batch, forward_kwargs, model_and_reference, no_host_sync
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel.distributed import _MixedPrecision
 
 import gradsync
-from conftest import NO_CUDA
 from gradsync import DistributedDataParallel as DDP
 from gradsync import hooks
 

@@ -18,11 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_models import CUDA, TwoBranches, assert_same_grads, batch, forward_kwargs, model_and_reference
+from gpu_models import CUDA, NO_CUDA, TwoBranches, assert_same_grads, batch, forward_kwargs, model_and_reference
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from conftest import NO_CUDA
 from emulated_group import EmulatedGroup
 from gradsync import DistributedDataParallel as DDP
 from gradsync import hooks

@@ -135,9 +135,9 @@ class CudaClock:
     def watch(self, b: int, pending: Any) -> None:
         """Record bucket ``b``'s completion from its work's (or comm hook's) future."""
         events = self.current
-        if events is None or pending is None:
-            return
-        future = pending.get_future() if isinstance(pending, dist.Work) else pending
+        future = None if events is None else _future_of(pending)
+        if future is None:
+            return  # untimed pass, nothing started, or a reduction that exposes no future: no completion event
         event = self._free.pop() if self._free else self._new_event()
         device, current_stream = self.device, self._current_stream
 
@@ -204,6 +204,19 @@ class CudaClock:
         # Reused from now on. A completion that reports after a forced read (a failed collective) records
         # into its own event, which ``recorded()`` did not list: it is dropped, never reused.
         self._free.extend(events.recorded())
+
+
+def _future_of(pending: Any) -> Any:
+    """The future that completes with a bucket's reduction: a work's, a comm hook's, or that of the work a
+    pending reduce-scatter carries (``.work``, collectives/sharded.py); None when there is none."""
+    if pending is None:
+        return None
+    if isinstance(pending, dist.Work):
+        return pending.get_future()
+    if callable(getattr(pending, "add_done_callback", None)):
+        return pending
+    work = getattr(pending, "work", None)
+    return work.get_future() if isinstance(work, dist.Work) else None
 
 
 def cuda_clock_for(device: torch.device) -> CudaClock | None:
