@@ -356,6 +356,21 @@ def _misuse(port: int) -> list[str]:
             else:
                 dist_autograd.backward(context_id, [loss])
         seen.append("used on one rank only")
+
+        # without find_unused_parameters, rank 1 skips a layer: its dist backward cannot finish (a
+        # bucket waits for that layer), rank 0's waits for rank 1's bucket; rank 1's next forward
+        # finishes it, so rank 0 completes, and raises naming the layer and the released context
+        ddp = DDP(make_model("unused_branch"))
+        with dist_autograd.context() as context_id:
+            loss = ddp(x, use_sometimes=rank == 0).square().sum()
+            dist_autograd.backward(context_id, [loss])
+        if rank == 1:
+            with pytest.raises(
+                RuntimeError, match="'sometimes.weight', 'sometimes.bias'.*received no gradient on rank 1"
+            ) as info:
+                ddp(x)
+            assert f"context {context_id} was released before the averaged gradients" in str(info.value)
+        seen.append("a gradient that never comes")
     finally:
         stop_rpc()
     return seen
@@ -369,6 +384,7 @@ def test_misuse_under_dist_autograd_is_named():
         "context after forward",
         "ordinary backward in a context",
         "used on one rank only",
+        "a gradient that never comes",
     ]
     assert results == [expected, expected]
 
@@ -380,3 +396,64 @@ def test_example_trains_a_hybrid_model_under_torchrun():
 
     out = launch_ok(["--standalone", "--nproc-per-node", "3", "examples/rpc_hybrid.py", "--steps", "4"])
     assert "OK: 4 steps; trainers' replicas identical and equal to the one-process replay" in out
+
+
+def _hooks_under_dist_autograd(port: int) -> dict:
+    """The experiment behind [Note: DDP under distributed autograd]: which hooks fire, on which
+    thread, and what a context's gradients are (one worker, no DDP)."""
+    import threading
+
+    from gradsync.engine.autograd_context import BackwardKind, classify_backward
+
+    torch.set_num_threads(1)
+    start_rpc(port)
+    seen: dict = {}
+    try:
+        layer = torch.nn.Linear(3, 2)
+        weight = layer.weight
+        node = weight.view_as(weight).grad_fn.next_functions[0][0]
+        log: list = []
+        weight.register_post_accumulate_grad_hook(lambda p: log.append("post-accumulate-grad hook"))
+        weight.register_hook(lambda g: log.append("tensor hook"))
+        node.register_hook(lambda gi, go: log.append(("node post hook", threading.current_thread() is main)))
+        main = threading.current_thread()
+        x = torch.ones(4, 3, requires_grad=True)
+
+        def run(name, backward):
+            log.clear()
+            out = layer(x)
+            kinds = []
+            out.grad_fn.register_prehook(lambda go: kinds.append(classify_backward([node])))
+            backward(out.sum())
+            seen[name] = (list(log), kinds[0])
+
+        run("ordinary", lambda loss: loss.backward())
+        run("autograd.grad(params)", lambda loss: torch.autograd.grad(loss, [weight]))
+        run("autograd.grad(input)", lambda loss: torch.autograd.grad(loss, [x]))
+        with dist_autograd.context() as context_id:
+            run("dist", lambda loss: dist_autograd.backward(context_id, [loss]))
+            grads = dist_autograd.get_gradients(context_id)
+            grads[weight].mul_(0.5)  # in place: does the context see it?
+            seen["context tensors are the context's own"] = torch.equal(
+                dist_autograd.get_gradients(context_id)[weight], torch.full((2, 3), 2.0)
+            )
+        seen["kinds"] = [kind.value for kind in BackwardKind]
+    finally:
+        stop_rpc()
+    return seen
+
+
+def test_what_autograd_does_under_dist_autograd():
+    """The facts the design rests on (docs/rpc.md), checked so that a torch that changes them fails
+    here rather than averaging nothing silently."""
+    (seen,) = run_distributed(_hooks_under_dist_autograd, 1, _free_port(), isolated=True, timeout_s=120)
+    ordinary, kind = seen["ordinary"]
+    assert (
+        ordinary == ["tensor hook", "post-accumulate-grad hook", ("node post hook", True)] and kind.value == "ordinary"
+    )
+    dist_log, kind = seen["dist"]
+    # no post-accumulate-grad hook; the node's post hook fires, on another thread; the kind says so
+    assert dist_log == ["tensor hook", ("node post hook", False)] and kind.value == "not accumulating"
+    assert seen["autograd.grad(params)"][1].value == "autograd.grad"
+    assert seen["autograd.grad(input)"] == ([], seen["dist"][1])  # nothing fires; not ours to reduce
+    assert seen["context tensors are the context's own"]

@@ -49,14 +49,23 @@ class BackwardKind(enum.Enum):
     AUTOGRAD_GRAD = "autograd.grad"  # torch.autograd.grad with wrapped parameters as inputs
 
 
-def rpc_running() -> bool:
-    """Whether this process has initialised the RPC framework (cheap: asked at every forward)."""
+def _find_agent_check() -> Callable[[], bool]:
     try:
         from torch.distributed.rpc import api
     except ImportError:  # a torch built without RPC
-        return False
-    is_set = getattr(api, "_is_current_rpc_agent_set", None)
-    return bool(is_set is not None and is_set())
+        return lambda: False
+    return getattr(api, "_is_current_rpc_agent_set", None) or (lambda: False)
+
+
+_agent_is_set: Callable[[], bool] | None = None  # looked up once: this is asked at every synced forward
+
+
+def rpc_running() -> bool:
+    """Whether this process has initialised the RPC framework (about 0.1 us)."""
+    global _agent_is_set
+    if _agent_is_set is None:
+        _agent_is_set = _find_agent_check()
+    return bool(_agent_is_set())
 
 
 def current_context_id() -> int | None:
