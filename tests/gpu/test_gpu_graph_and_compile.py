@@ -4,9 +4,10 @@ CUDA graphs (torch's docs/source/notes/cuda.rst, "Usage with DistributedDataPara
 the Python hooks once and a replay repeats only the kernels, so the step must hold no host
 synchronisation, no allocation outside the graph's pool and buckets that no longer change (gradsync
 rebuilds them once, before the second iteration). torch's DDP must be built inside a side-stream
-context because its reducer pins the AccumulateGrad nodes to the stream current at construction;
-gradsync holds no node, so it is built on the default stream here, then warmed up for 11 eager steps
-on a side stream and captured, as the notes prescribe.
+context because its reducer holds the AccumulateGrad nodes, which keep the stream current at
+construction: on the legacy default stream they would put work outside the capture. gradsync's
+reducer holds them too (engine/autograd_context.py, for distributed autograd), so it is built the same
+way, then warmed up for 11 eager steps on that stream and captured, as the notes prescribe.
 
 torch.compile: the wrapper's own steps are kept out of the graph (``torch.compiler.disable``), the
 module's forward is compiled and the gradient hooks run as AccumulateGrad fires. Numbers are compared
@@ -30,7 +31,10 @@ WARMUP = 11  # "at least 11 DDP-enabled eager iterations" before capture (torch'
 @pytest.mark.parametrize("as_view", [False, True])
 def test_whole_step_in_a_cuda_graph(nccl_world, as_view: bool) -> None:
     model, reference = model_and_reference("mlp")
-    ddp = DDP(model, gradient_as_bucket_view=as_view)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # "DDP must be constructed in a side-stream context" (torch's notes)
+        ddp = DDP(model, gradient_as_bucket_view=as_view)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     static_x, static_y = (t.clone() for t in batch("mlp", 0))
@@ -41,7 +45,6 @@ def test_whole_step_in_a_cuda_graph(nccl_world, as_view: bool) -> None:
         F.mse_loss(reference(x), y).backward()
         reference_optimizer.step()
 
-    side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for step in range(WARMUP):

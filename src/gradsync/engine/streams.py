@@ -16,6 +16,15 @@ So each hook notes its current stream, per bucket, and the launch makes the laun
 (``wait_stream``: an event on the GPU, no host synchronisation) for every noted stream that is not
 itself. With one stream, the common case, nothing is waited for: a comparison per bucket.
 
+Which stream a hook runs on depends on who holds the parameter's AccumulateGrad node. A node nobody
+holds is made again in every forward, on the stream current there, so hooks follow the forward's
+streams and this order is what keeps a bucket correct. A held node keeps the stream current when it
+was made: torch's DDP holds them from its constructor (#137483: build it on the stream you train on),
+and so does gradsync's reducer since distributed autograd needed them (``DistributedBackwards`` in
+autograd_context.py). Then every hook runs on the construction stream, autograd makes it wait for the
+stream that computed each gradient, and the waits here find nothing to do; they still guard a bucket
+launched from another stream (the end of backward, on the caller's).
+
 The end of backward needs nothing from here: autograd runs the final callback, gradsync's finalize,
 on the caller's stream after making it wait for every leaf stream ([Note: Streaming backwards] in
 torch's engine), and ``work.wait()`` / a CUDA future's ``wait()`` make that stream wait for the
@@ -63,13 +72,17 @@ class StreamOrder:
         if stream not in seen:  # a list of one or two: faster than hashing a stream
             seen.append(stream)
 
+    def other_producers(self, b: int) -> tuple[Any, list[Any]]:
+        """The current stream, and the streams besides it that produced one of bucket ``b``'s gradients."""
+        current = self._current_stream(self.device)
+        return current, [stream for stream in self._producers[b] if stream != current]
+
     def wait_for_producers(self, b: int) -> None:
         """Before bucket ``b`` is copied in and launched: the current stream waits for every other producer."""
-        current = self._current_stream(self.device)
-        for stream in self._producers[b]:
-            if stream != current:
-                current.wait_stream(stream)
-                self.waits += 1
+        current, others = self.other_producers(b)
+        for stream in others:
+            current.wait_stream(stream)
+        self.waits += len(others)
 
 
 def stream_order_for(device: torch.device) -> StreamOrder | None:
