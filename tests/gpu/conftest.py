@@ -19,10 +19,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpu_models import NO_CUDA  # noqa: E402 - found through the path just set
+from gpu_models import NO_CUDA, deterministic_kernels  # noqa: E402 - found through the path just set
 
 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
 os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "0")
+# Bitwise comparisons of two models computing the same thing: kernels that choose their algorithm, or
+# add with atomics, must not differ between the two (cuDNN's convolution backward can; cuBLAS across
+# streams needs a fixed workspace). The two-rank workers inherit the variable and set cuDNN themselves.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+deterministic_kernels()
 
 
 def _free_port() -> int:

@@ -141,6 +141,12 @@ def assert_same_grads(model: nn.Module, reference: nn.Module, what: str, transfo
             raise AssertionError(f"{what}: {name}.grad differs from the local backward's (max |diff| {diff:.3g})")
 
 
+def deterministic_kernels() -> None:
+    """The same inputs give the same bits: cuDNN picks deterministic algorithms and does not benchmark."""
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 @contextmanager
 def no_host_sync() -> Iterator[None]:
     """Any operation that synchronises the host with the GPU inside the block raises."""

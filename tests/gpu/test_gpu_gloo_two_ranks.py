@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gpu_models import CUDA, NO_CUDA, ConvBN, batch, forward_kwargs, model_and_reference
+from gpu_models import CUDA, NO_CUDA, ConvBN, batch, deterministic_kernels, forward_kwargs, model_and_reference
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def _against_torch(name: str, as_view: bool, find_unused: bool) -> int:
     rank = dist.get_rank()
     torch.cuda.set_device(0)
+    deterministic_kernels()
     model, twin = model_and_reference(name)
     options = {"gradient_as_bucket_view": as_view, "find_unused_parameters": find_unused, "bucket_cap_mb": 0.004}
     ours, theirs = DDP(model, **options), TorchDDP(twin, **options)
@@ -56,6 +57,7 @@ def test_same_gradients_as_torch_ddp(name: str, find_unused: bool, as_view: bool
 def _uneven_inputs() -> None:
     rank = dist.get_rank()
     torch.cuda.set_device(0)
+    deterministic_kernels()
     model, twin = model_and_reference("mlp")
     ours, theirs = DDP(model), TorchDDP(twin)
     for ddp, params in ((ours, model.parameters()), (theirs, twin.parameters())):
