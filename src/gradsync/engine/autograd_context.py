@@ -19,10 +19,12 @@ there, established by experiment on torch 2.13 (docs/rpc.md has the script and i
   writes the average where ``DistributedOptimizer`` reads it. Nothing public adds an entry, so a
   parameter this rank did not use keeps no gradient in its context (torch's reducer asserts there).
 - A callback queued with ``queue_callback`` runs at the end of the *graph task* that queued it.
-  One dist backward runs several graph tasks on a worker when the gradient leaves through an
-  RPC and comes back (a remote module inside the wrapped one): the reducer queues its end of
-  backward in each task that delivers gradients, and only the task that completes every bucket
-  finishes (``Reducer._on_context_callback``).
+  On the worker that calls ``dist_autograd.backward`` gradients that come back through an RPC
+  (a remote module inside the wrapped one) arrive in that same task, before its callbacks run
+  (observed: graph task 0 throughout). A worker that a backward reaches only through RPCs may run
+  more than one; so the reducer queues its end-of-backward check in each task that delivers
+  gradients, and finishes in the first after which every bucket has been launched
+  (``Reducer._on_context_callback``); never in one with buckets still waiting for gradients.
 - ``torch._C._will_engine_execute_node(node)`` on an ``AccumulateGrad`` node, asked at the start
   of a backward, says what kind it is (``BackwardKind``): True in an ordinary backward; False
   under distributed autograd (captured, not run) and for ``backward(inputs=...)`` without that
