@@ -408,6 +408,7 @@ def _hooks_under_dist_autograd(port: int) -> dict:
     thread, and what a context's gradients are (one worker, no DDP)."""
     import threading
 
+    from gradsync.engine import graph
     from gradsync.engine.autograd_context import BackwardKind, classify_backward
 
     torch.set_num_threads(1)
@@ -443,6 +444,9 @@ def _hooks_under_dist_autograd(port: int) -> dict:
                 dist_autograd.get_gradients(context_id)[weight], torch.full((2, 3), 2.0)
             )
         seen["kinds"] = [kind.value for kind in BackwardKind]
+        # a forward that returns an RRef it owns is searched through it, as torch's DDP does
+        out = layer(x)
+        seen["rref output searched"] = graph.output_grad_fns(rpc.RRef(out)) == [out.grad_fn]
     finally:
         stop_rpc()
     return seen
@@ -462,3 +466,4 @@ def test_what_autograd_does_under_dist_autograd():
     assert seen["autograd.grad(params)"][1].value == "autograd.grad"
     assert seen["autograd.grad(input)"] == ([], seen["dist"][1])  # nothing fires; not ours to reduce
     assert seen["context tensors are the context's own"]
+    assert seen["rref output searched"]
