@@ -5,9 +5,12 @@
 #
 # Uses the machine's own torch (never installs one): gradsync is imported from src/ through PYTHONPATH.
 # Steps, each under its own timeout so that one hang cannot eat the others' time:
-#   1. probe (~10 s): torch, CUDA, NCCL, the GPU, and that gradsync imports and wraps a model;
-#   2. tests/gpu (<= 330 s): pytest, with a JUnit XML; torch's DDP control outcomes in torch_ddp_control.json;
-#   3. the GPT-2-small benchmark, benchmarks/studies/gpu_step.py (<= 200 s): gpu_step.json and its report.
+#   1. probe (<= 30 s): torch, CUDA, NCCL, the GPU, and that gradsync imports;
+#   2. tests/gpu (<= 270 s; an estimated 150 s, not yet measured): pytest, a JUnit XML, torch DDP's control outcomes in
+#      torch_ddp_control.json;
+#   3. the GPT-2-small benchmark, benchmarks/studies/gpu_step.py (<= 150 s; an estimated 60 s): gpu_step.json
+#      and its report.
+# The timeouts add up to 450 s, so the whole check ends within 8 minutes even when a step hangs.
 # At most 8 files land in $OUT (what the device tool brings back): probe.txt, tests.log, tests.xml,
 # torch_ddp_control.json, bench.log, gpu_step.json, YYYY-MM-DD-gpu-step.md, summary.txt.
 set -u
@@ -19,7 +22,7 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} GRADSYNC_GPU_OUT="$OUT"
 start=$(date +%s)
 
-timeout 60 "$PY" - >"$OUT/probe.txt" 2>&1 <<'EOF'
+timeout 30 "$PY" - >"$OUT/probe.txt" 2>&1 <<'EOF'
 import platform
 import torch
 import torch.distributed as dist
@@ -36,10 +39,10 @@ probe=$?
 cat "$OUT/probe.txt"
 
 set -o pipefail
-timeout 330 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
+timeout 270 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
 tests=$?
 
-timeout 200 "$PY" -m benchmarks.studies.gpu_step --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+timeout 150 "$PY" -m benchmarks.studies.gpu_step --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench=$?
 
 {
