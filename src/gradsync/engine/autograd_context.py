@@ -38,8 +38,9 @@ torch's autograd and RPC internals, not c10d's or DDP's; each is looked up defen
 from __future__ import annotations
 
 import enum
+import itertools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -98,11 +99,17 @@ def graph_task_id() -> int:
     return -1 if current is None else int(current())
 
 
-def classify_backward(nodes: Sequence[Any]) -> BackwardKind:
+def accumulator_node(param: torch.Tensor) -> Any:
+    """``param``'s ``AccumulateGrad`` node: the one a live graph holds, else a new one."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def classify_backward(nodes: Iterable[Any]) -> BackwardKind:
     """What kind of backward is starting, asked of the parameters' ``AccumulateGrad`` nodes.
 
     The first node settles an ordinary backward in one call; only otherwise are the rest asked
-    ([Note: DDP under distributed autograd]).
+    (``nodes`` may be a generator that fetches them as asked; [Note: DDP under distributed autograd]).
     """
     will_execute = getattr(torch._C, "_will_engine_execute_node", None)
     if will_execute is None:
@@ -201,11 +208,13 @@ class DistributedBackwards:
 
     def __init__(self, owner: Any, params: Sequence[torch.Tensor]) -> None:
         self._owner = weakref.ref(owner)
-        # The parameters' AccumulateGrad nodes, asked what kind each backward is; held, so that the
-        # post hooks registered on them (once RPC runs) stay where autograd looks.
-        with torch.enable_grad():
-            self.accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+        self.params = params
+        # The parameters' AccumulateGrad nodes, held once RPC runs, so that the post hooks on them
+        # stay where autograd looks. Not before: on CUDA a node keeps the stream it was made on, and
+        # holding them would change which stream accumulates every gradient ([Note: stream order]).
+        self.accumulators: list[Any] | None = None
         self.hooks: AccumulatorHooks | None = None
+        self._probe: Any = None  # without them, the first parameter's node, fetched at the forward
         self.armed_context: int | None = None  # the context the armed forward ran in (None: none)
         self.kind: BackwardKind | None = None  # the running backward's kind, once asked
         self._tasks: set[int] = set()  # graph tasks of the running dist backward seen so far
@@ -215,8 +224,12 @@ class DistributedBackwards:
         self.armed_context = None
         if rpc_running():
             if self.hooks is None:
+                self.accumulators = [accumulator_node(p) for p in self.params]
                 self.hooks = AccumulatorHooks(self._owner(), self.accumulators)
             self.armed_context = current_context_id()
+        elif self.accumulators is None:
+            # 2 us here, from the graph the forward just built; in the backward it costs 7-26 us
+            self._probe = accumulator_node(self.params[0])
 
     def search_roots(self, roots: list[Any]) -> list[Any]:
         """Where a search for unused parameters starts: under distributed autograd, gradients also
@@ -227,13 +240,18 @@ class DistributedBackwards:
 
     def kind_at_start(self) -> BackwardKind:
         """A backward through the armed forward's outputs starts: what kind is it?"""
-        self.kind = classify_backward(self.accumulators)
+        nodes = self.accumulators
+        if nodes is None:  # without RPC: the first node settles an ordinary backward; the rest as asked
+            probe, self._probe = self._probe, None
+            first = [probe] if probe is not None else []
+            nodes = itertools.chain(first, (accumulator_node(p) for p in self.params[len(first) :]))
+        self.kind = classify_backward(nodes)
         return self.kind
 
     def kind_for(self, index: int) -> BackwardKind:
         """The running backward's kind, asked of parameter ``index`` if nothing asked before (a
         parameter used outside the forward reports before any output node runs)."""
-        if self.kind is None:
+        if self.kind is None:  # only hooks registered once RPC runs ask this: the nodes are held
             self.kind = classify_backward([self.accumulators[index]])
         return self.kind
 
