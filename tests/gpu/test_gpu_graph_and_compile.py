@@ -6,8 +6,8 @@ synchronisation, no allocation outside the graph's pool and buckets that no long
 rebuilds them once, before the second iteration). torch's DDP must be built inside a side-stream
 context because its reducer holds the AccumulateGrad nodes, which keep the stream current at
 construction: on the legacy default stream they would put work outside the capture. gradsync's
-reducer holds them too (engine/autograd_context.py, for distributed autograd), so it is built the same
-way, then warmed up for 11 eager steps on that stream and captured, as the notes prescribe.
+reducer holds them only once RPC runs (engine/autograd_context.py), but it is built the same way for a
+like-for-like step, then warmed up for 11 eager steps on that stream and captured, as the notes prescribe.
 
 torch.compile: the wrapper's own steps are kept out of the graph (``torch.compiler.disable``), the
 module's forward is compiled and the gradient hooks run as AccumulateGrad fires. Numbers are compared

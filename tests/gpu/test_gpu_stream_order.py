@@ -7,9 +7,9 @@ case compares ``.grad`` bitwise with a local backward. torch's DDP on the same g
 where it matches, the emulation is sound; where gradsync must differ from torch (two branches on two
 side streams) the control's outcome is reported, not asserted. Turning gradsync's stream order off
 must break the two-branch case wherever a launch would have waited for another stream: that shows the
-test can see the race at all. (While the reducer holds the parameters' AccumulateGrad nodes, every hook
-runs on the construction stream, no launch has another stream to wait for, and that test skips saying
-so: [Note: stream order] in engine/streams.py.)
+test can see the race at all. (If every hook ran on one stream, as when the parameters' AccumulateGrad
+nodes are held, no launch would have another stream to wait for, and that test skips saying so:
+[Note: stream order] in engine/streams.py.)
 """
 
 from __future__ import annotations
@@ -199,9 +199,9 @@ def test_the_race_is_visible_without_stream_order(group) -> None:
     _record("without stream order", outcomes)
     if would_wait == 0:
         pytest.skip(
-            "every gradient hook ran on one stream, so no launch had another stream to wait for: the "
-            "parameters' AccumulateGrad nodes are held (engine/autograd_context.py) and keep the stream of "
-            "construction, and autograd orders each gradient before its hook ([Note: stream order])"
+            "every gradient hook ran on one stream, so no launch had another stream to wait for (held "
+            "AccumulateGrad nodes keep the stream they were made on, and autograd orders each gradient "
+            "before its hook: [Note: stream order])"
         )
     assert any(o != "correct" for o in outcomes.values()), (
         f"with the stream waits off every case still matched ({outcomes}) although launches would have "
