@@ -101,6 +101,8 @@ def graph_task_id() -> int:
 
 def accumulator_node(param: torch.Tensor) -> Any:
     """``param``'s ``AccumulateGrad`` node: the one a live graph holds, else a new one."""
+    if torch.is_grad_enabled():  # at a synced forward it is: torch.enable_grad() alone costs 10 us
+        return param.view_as(param).grad_fn.next_functions[0][0]
     with torch.enable_grad():
         return param.view_as(param).grad_fn.next_functions[0][0]
 
@@ -209,10 +211,13 @@ class DistributedBackwards:
     def __init__(self, owner: Any, params: Sequence[torch.Tensor]) -> None:
         self._owner = weakref.ref(owner)
         self.params = params
-        # The parameters' AccumulateGrad nodes, held once RPC runs, so that the post hooks on them
-        # stay where autograd looks. Not before: on CUDA a node keeps the stream it was made on, and
-        # holding them would change which stream accumulates every gradient ([Note: stream order]).
+        # The parameters' AccumulateGrad nodes, asked what kind each backward is, and held so that
+        # the post hooks on them (once RPC runs) stay where autograd looks. On a GPU only once RPC
+        # runs: there a node keeps the stream it was made on, and holding them would change which
+        # stream accumulates every gradient ([Note: stream order] in streams.py). A CPU has none.
         self.accumulators: list[Any] | None = None
+        if params[0].device.type == "cpu":
+            self.accumulators = [accumulator_node(p) for p in params]
         self.hooks: AccumulatorHooks | None = None
         self._probe: Any = None  # without them, the first parameter's node, fetched at the forward
         self.armed_context: int | None = None  # the context the armed forward ran in (None: none)
@@ -224,11 +229,11 @@ class DistributedBackwards:
         self.armed_context = None
         if rpc_running():
             if self.hooks is None:
-                self.accumulators = [accumulator_node(p) for p in self.params]
+                if self.accumulators is None:
+                    self.accumulators = [accumulator_node(p) for p in self.params]
                 self.hooks = AccumulatorHooks(self._owner(), self.accumulators)
             self.armed_context = current_context_id()
-        elif self.accumulators is None:
-            # 2 us here, from the graph the forward just built; in the backward it costs 7-26 us
+        elif self.accumulators is None:  # a GPU without RPC: 8 us here, from the graph the forward built
             self._probe = accumulator_node(self.params[0])
 
     def search_roots(self, roots: list[Any]) -> list[Any]:
@@ -241,7 +246,7 @@ class DistributedBackwards:
     def kind_at_start(self) -> BackwardKind:
         """A backward through the armed forward's outputs starts: what kind is it?"""
         nodes = self.accumulators
-        if nodes is None:  # without RPC: the first node settles an ordinary backward; the rest as asked
+        if nodes is None:  # a GPU without RPC: the first node settles an ordinary backward; the rest as asked
             probe, self._probe = self._probe, None
             first = [probe] if probe is not None else []
             nodes = itertools.chain(first, (accumulator_node(p) for p in self.params[len(first) :]))

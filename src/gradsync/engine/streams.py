@@ -20,11 +20,11 @@ Which stream a hook runs on depends on who holds the parameter's AccumulateGrad 
 holds is made again in every forward, on the stream current there, so hooks follow the forward's
 streams and this order is what keeps a bucket correct. A held node keeps the stream current when it
 was made: torch's DDP holds them from its constructor (#137483: build it on the stream you train on).
-gradsync's reducer holds them only once the RPC framework runs (distributed autograd needs hooks on
-them: ``DistributedBackwards`` in autograd_context.py). Then every hook runs on the stream current
-when they were taken, autograd makes it wait for the stream that computed each gradient, and the
-waits here find nothing to do; they still guard a bucket launched from another stream (the end of
-backward, on the caller's).
+On a GPU gradsync's reducer holds them only once the RPC framework runs (distributed autograd
+needs hooks on them: ``DistributedBackwards`` in autograd_context.py; a CPU module's are held from
+the start). Then every hook runs on the stream current when they were taken, autograd makes it wait
+for the stream that computed each gradient, and the waits here find nothing to do; they still guard
+a bucket launched from another stream (the end of backward, on the caller's).
 
 The end of backward needs nothing from here: autograd runs the final callback, gradsync's finalize,
 on the caller's stream after making it wait for every leaf stream ([Note: Streaming backwards] in
