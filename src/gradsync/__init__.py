@@ -1,6 +1,9 @@
 """gradsync: a pure-Python DistributedDataParallel for PyTorch."""
 
-from . import zero  # noqa: F401 - gradsync.zero.ShardedOptimizer after `import gradsync`
+from . import (
+    diloco,  # noqa: F401 - gradsync.diloco.DiLoCo after `import gradsync`
+    zero,  # noqa: F401 - gradsync.zero.ShardedOptimizer after `import gradsync`
+)
 from .ddp import DistributedDataParallel
 from .engine.grad_bucket import GradBucket
 from .install import install, installed, uninstall
