@@ -8,8 +8,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+import models  # tests/models.py: the CPU tests' models (tests/ is on sys.path, conftest.py)
+from models import ConvBN
 
 CUDA = torch.device("cuda", 0)
 NO_CUDA = (
@@ -65,29 +67,9 @@ class TwoBranches(nn.Module):
         return self.head(outputs[0] + outputs[1])
 
 
-class MLP(nn.Module):
-    def __init__(self, width: int = 32, depth: int = 4) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.layers(x))
-
-
-class ConvBN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.bn2 = nn.BatchNorm2d(8)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.bn1(self.conv1(x)))
-        x = F.relu(self.bn2(self.conv2(x)) + x)
-        return self.head(x.mean(dim=(2, 3)))
+def MLP() -> nn.Module:
+    """tests/models.py's MLP, twice as wide: a few buckets' worth of gradients at small caps."""
+    return models.MLP(width=32)
 
 
 class SometimesUnused(nn.Module):
