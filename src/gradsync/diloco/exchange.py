@@ -25,7 +25,7 @@ copied to itself is not on the wire), the convention of hooks/wire.py.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,10 +57,22 @@ class WireCount:
 class OuterExchange:
     """Averages outer gradients across replicas in a wire format; on a thread of its own if asked."""
 
-    def __init__(self, topology: Topology, wire: WireFormat, overlap: bool) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        wire: WireFormat,
+        overlap: bool,
+        count: WireCount | None = None,
+        waiter: Callable[[dist.Work], Any] | None = None,
+    ) -> None:
         self.topology = topology
         self.wire = wire
-        self.count = WireCount()
+        self.count = count if count is not None else WireCount()
+        # With a waiter (the fault-tolerant mode) every collective is issued async and waited for
+        # by it, in slices that watch the peers; its work handles are kept in ``works`` until the
+        # caller knows the exchange completed (freeing one whose peer died can end the process).
+        self.waiter = waiter
+        self.works: list[dist.Work] = []
         # One worker: exchanges are issued in the order they start, which is the same on every replica.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="gradsync-diloco") if overlap else None
 
@@ -88,7 +100,7 @@ class OuterExchange:
         contributors, active = float(t.outer_size), t.outer_size
         if flags is not None:
             counts = torch.tensor(flags, dtype=torch.float32)
-            dist.all_reduce(counts, group=t.outer)
+            self._collective(dist.all_reduce, counts, group=t.outer)
             self.count.sent_bytes += all_reduce_bytes(counts, t.outer_size)
             contributors, active = counts[0].item(), int(counts[1].item())
             if contributors == 0:
@@ -114,7 +126,9 @@ class OuterExchange:
         encoded = torch.cat([wire.encode(p) for p in pieces])
         self.count.peak_in_flight_bytes = max(self.count.peak_in_flight_bytes, encoded.numel())
         received = torch.empty(sizes[t.outer_rank] * t.outer_size, dtype=torch.uint8)
-        dist.all_to_all_single(received, encoded, [sizes[t.outer_rank]] * t.outer_size, sizes, group=t.outer)
+        self._collective(
+            dist.all_to_all_single, received, encoded, [sizes[t.outer_rank]] * t.outer_size, sizes, group=t.outer
+        )
         self.count.sent_bytes += sum(sizes) - sizes[t.outer_rank]
         total = None
         for part in received.split(sizes[t.outer_rank]):  # in rank order: the same sum wherever it is taken
@@ -129,7 +143,7 @@ class OuterExchange:
         """All-gather of byte pieces of unequal sizes (``sizes[j]`` from rank ``j``) as one all-to-all."""
         rank, world = dist.get_rank(group), len(sizes)
         received = torch.empty(sum(sizes), dtype=torch.uint8)
-        dist.all_to_all_single(received, own.repeat(world), sizes, [own.numel()] * world, group=group)
+        self._collective(dist.all_to_all_single, received, own.repeat(world), sizes, [own.numel()] * world, group=group)
         sent = own.numel() * (world - 1)
         if island:
             self.count.island_bytes += sent
@@ -137,6 +151,14 @@ class OuterExchange:
             self.count.sent_bytes += sent
         assert own.numel() == sizes[rank], "every rank must encode its own piece to the size the others expect"
         return received
+
+    def _collective(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        if self.waiter is None:
+            collective(*args, **kwargs)
+            return
+        work = collective(*args, async_op=True, **kwargs)
+        self.works.append(work)
+        self.waiter(work)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -66,6 +66,8 @@ class DiLoCo:
     ``model`` is a plain module (every process a replica, exchanging over ``group``, default all) or
     a gradsync ``DistributedDataParallel`` over one island's process group ([Note: islands] in
     topology.py; ``group`` must then be None). Building it is collective over the default group.
+    ``exchange`` is whatever averages outer gradients (``start``/``finished``/``close``/``count``):
+    gradsync.elastic_diloco replaces it with one decided together and redone among survivors.
     """
 
     def __init__(
@@ -182,7 +184,8 @@ class DiLoCo:
             raise RuntimeError(
                 f"DiLoCo's outer exchange of fragment {in_flight.fragment} (started after inner step "
                 f"{in_flight.started}) failed on rank {dist.get_rank()}: {error}. Every replica must call step() "
-                "the same number of times; a dead replica ends the run (fault tolerance is not implemented yet)."
+                "the same number of times. A dead replica ends a DiLoCo run; "
+                "gradsync.elastic_diloco.FaultTolerantDiLoCo goes on without it (docs/diloco.md, Fault tolerance)."
             ) from error
         finally:
             self.exchange.finished()

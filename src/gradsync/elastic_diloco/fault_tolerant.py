@@ -1,0 +1,334 @@
+"""``FaultTolerantDiLoCo``: DiLoCo whose replicas may die and come back, losing no survivor's inner step.
+
+[Note: fault-tolerant DiLoCo]
+The run is ``gradsync.elastic``'s: a store (TCPStore or etcd), generations of members agreed in
+it, heartbeats on a thread of their own, joiners admitted at a commit. What changes is *when*
+the replicas agree: at outer steps only. An inner step is DiLoCo's (the inner optimizer's step
+and one integer comparison): no store request, no collective. At an outer step:
+1. the outer gradient is averaged over the generation's group and the outer step decided
+   together ([Note: an exchange cut off by a death] in committed_exchange.py); an abort forms
+   the next generation from the survivors and averages the same outer gradients again;
+2. DiLoCo applies the committed average (``theta_global`` and the outer optimizer's state then
+   hold the same bits on every replica);
+3. joiners the commit admitted (a restarted replica, arrived meanwhile) form the next
+   generation with the members and are healed from the first member, by collectives on the new
+   group: ``theta_global``, the outer optimizer, DiLoCo's step and fragment schedule (its
+   ``state_dict``), the source's model (its local parameters and buffers) and **its inner
+   optimizer's state**, ``extra_state``, the counters. A joiner thus starts as a copy of the
+   source replica and contributes from the next outer step.
+Why the inner optimizer's state is copied rather than started afresh: a fresh AdamW's first
+updates are sign-like (``m / sqrt(v)`` is +-1 after bias correction), so a fresh replica's
+first outer gradient would be an outlier the average carries into ``theta_global``; the
+source's moments were accumulated at the same ``theta_global`` on the same distribution. It is a
+copy, not the joiner's own history: the joiner's data from then on is its own.
+After every heal the members compare a fingerprint of ``theta_global`` and the outer optimizer's
+state (observability/divergence.py); a difference raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..diloco import topology as diloco_topology
+from ..diloco.outer import DiLoCo, OuterOptimizerFactory
+from ..elastic import heal, membership
+from ..elastic.fault_tolerant import HealMismatch
+from ..elastic.run import ElasticRun, current
+from ..elastic.step_decision import StepDecider
+from ..observability.divergence import fingerprint
+from ..wrapper.data_parallel import DataParallelWrapper
+from .committed_exchange import CommittedExchange, Outcome
+
+logger = logging.getLogger(__name__)
+
+
+class FaultTolerantDiLoCo:
+    """``DiLoCo`` over a ``gradsync.elastic`` run: call ``step()`` where the loop called ``inner_optimizer.step()``.
+
+    Every process is one replica (a plain module). Built after ``elastic.init()``; in a process
+    that arrives once the run has started (a restarted replica) the constructor waits until the
+    members admit it at an outer step and heals it from one of them ([Note: fault-tolerant DiLoCo]).
+    ``extra_state``: objects with ``state_dict``/``load_state_dict`` healed too (an LR scheduler, a
+    data position). ``on_reconfigure(rank, world_size, inner_step)`` is called after every change of
+    membership, on every member.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        sync_every: int,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        fragments: int = 1,
+        wire: str = "fp32",
+        extra_state: dict[str, Any] | None = None,
+        on_reconfigure: Callable[[int, int, int], None] | None = None,
+        run: ElasticRun | None = None,
+    ) -> None:
+        if isinstance(model, DataParallelWrapper):
+            raise ValueError(
+                f"FaultTolerantDiLoCo takes a plain module (rank {dist.get_rank()}): each process is one replica. "
+                "Islands (a DistributedDataParallel per island) are not supported in the fault-tolerant mode; use "
+                "gradsync.diloco.DiLoCo for them, or one replica per process here."
+            )
+        self.run = run if run is not None else current()
+        # delay = 0: an exchange in flight across a change of membership would need its group after
+        # the group is gone; the streaming overlap is not offered here (docs/diloco.md).
+        self.outer = DiLoCo(model, inner_optimizer, sync_every, outer_optimizer, fragments, 0, wire=wire)
+        self.module = self.outer.module
+        self.inner = inner_optimizer
+        self.extra_state = dict(extra_state or {})
+        self.on_reconfigure = on_reconfigure
+        self.outer_steps = 0  # committed outer steps (one fragment's each)
+        self.contributors: list[str] = []  # the replicas (uuids, in rank order) the last outer step averaged
+        self.decider = StepDecider(self.run)
+        self.exchange = CommittedExchange(
+            self.decider,
+            self.outer.wire_format,
+            lambda: self.outer_steps,
+            self._arrivals_known,
+            lambda reason: self._reconfigure(self.run.generation.members, self.run.generation.members, reason),
+        )
+        self.outer.exchange = self.exchange  # DiLoCo averages through it from now on
+        self._rewire()
+        if self.run.joining:
+            self._join()
+
+    # ------------------------------------------------------------------ the training loop's calls
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The inner step; at an outer step, the decided outer step, then any change of membership."""
+        loss = self.outer.step(closure)
+        outcome = self.exchange.take_outcome()
+        if outcome is not None:
+            self._after(outcome)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def step_count(self) -> int:
+        """Inner steps of the run (a healed replica takes its source's)."""
+        return self.outer.step_count
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def generation(self) -> int:
+        return self.run.generation.number if self.run.generation else -1
+
+    @property
+    def members(self) -> list[str]:
+        return list(self.run.generation.members) if self.run.generation else []
+
+    @property
+    def wire(self):  # noqa: ANN201 - DiLoCo's WireCount
+        return self.exchange.count
+
+    def replicas_identical(self) -> bool:
+        """Whether every replica holds the same ``theta_global`` and outer optimizer state, bit for bit
+        (the local parameters differ between outer steps by design)."""
+        every = self._fingerprints()
+        return all(torch.equal(theirs, every[0]) for theirs in every)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.outer.state_dict(), "outer_steps": self.outer_steps}
+
+    def close(self) -> None:
+        """Leave the run on purpose, after the last step (peers do not take it for dead)."""
+        self.outer.close()
+        self.run.leave()
+
+    # ------------------------------------------------------------------ after an exchange
+    def _after(self, outcome: Outcome) -> None:
+        run = self.run
+        if outcome.revoked is not None:
+            logger.warning("gradsync.elastic_diloco: %s while this process was taken for dead; joining again",
+                           outcome.revoked)  # fmt: skip
+            membership.decline(run.store, run.keys, run.generation.number + 1, run.uuid)
+            run.history.append({"generation": run.generation.number, "reason": f"revoked: {outcome.revoked}",
+                                "revoked": self.outer_steps - 1})  # fmt: skip
+            self.decider.forget_vote()
+            self._rejoin()
+            return
+        if outcome.left_out:
+            self._rejoin()
+            return
+        decision = outcome.decision
+        assert decision is not None
+        self.decider.applied(self.outer_steps, decision, outcome.by_vote)
+        self.outer_steps += 1
+        run.arrivals_seen = decision.arrivals_seen
+        generation = run.generation
+        self.contributors = list(generation.members)
+        if decision.admit:
+            for joiner in decision.admit:
+                run.store.set(run.keys.admitted(joiner), str(generation.number + 1))
+            reason = f"admitting {len(decision.admit)} joiner(s)"
+            if not self._reconfigure(generation.members + decision.admit, generation.members, reason):
+                self._rejoin()
+        elif not outcome.by_vote:  # settled: the vote failed somewhere, so this generation's group is broken
+            if not self._reconfigure(generation.members, generation.members, "the commit vote failed"):
+                self._rejoin()
+        self.decider.wait_for_a_silent_store()
+
+    def _arrivals_known(self) -> int:
+        return max(self.run.heartbeat.arrivals_known, self.run.arrivals_seen)
+
+    # ------------------------------------------------------------------ membership changes
+    def _reconfigure(self, candidates: list[str], healthy: list[str], reason: str) -> bool:
+        """Form the next generation from ``candidates`` and heal it; False if this process is not in it."""
+        started = time.monotonic()
+        number = self.run.generation.number + 1
+        while True:
+            generation = membership.form(
+                self.run.store, self.run.keys, number, candidates, healthy, self.outer_steps, self.run.uuid,
+                self.run.heartbeat, self.run.timeout_s,
+            )  # fmt: skip
+            if self.run.uuid not in generation.members:
+                logger.warning("gradsync.elastic_diloco: left out of generation %d; joining again", number)
+                return False
+            self._check_enough(candidates, generation)
+            try:
+                self._open_and_heal(generation)
+                break
+            except RuntimeError as error:  # a member died while the group opened or the state moved
+                logger.warning("gradsync.elastic_diloco: generation %d failed to form (%s); retrying", number, error)
+                candidates, healthy, number = generation.members, generation.healthy, generation.number + 1
+        self._record(reason, candidates, started)
+        return True
+
+    def _check_enough(self, candidates: list[str], generation: membership.Generation) -> None:
+        if not generation.healthy:
+            raise RuntimeError(
+                f"gradsync.elastic_diloco: no replica holding theta_global is left in generation {generation.number} "
+                "(every one of them died while joiners were being healed); restart from a checkpoint."
+            )
+        if len(generation.members) < self.run.min_replicas:
+            dead = [rank for rank, uuid in enumerate(candidates) if uuid not in generation.members]
+            raise RuntimeError(
+                f"Rank(s) {dead} of generation {generation.number - 1} died (or stopped answering) and only "
+                f"{len(generation.members)} replica(s) remain, fewer than min_replicas={self.run.min_replicas}. "
+                "Start replacements (they join and are healed at the next outer step) or lower min_replicas."
+            )
+
+    def _open_and_heal(self, generation: membership.Generation) -> None:
+        run = self.run
+        membership.open_group(run.store, run.keys, generation, run.uuid, run.timeout_s)
+        run.generation = generation
+        run.heartbeat.watch(generation.members)
+        self._rewire()
+        if len(generation.healthy) < len(generation.members):  # joiners: the source sends everything
+            source = generation.source
+            payload = self._payload() if dist.get_rank() == source else None
+            device = next(self.module.parameters()).device
+            state = heal.transfer(payload, source, dist.group.WORLD, device)
+            if run.uuid not in generation.healthy:
+                self._load(state)
+        self._check_identical(generation)
+
+    def _payload(self) -> dict[str, Any]:
+        return {
+            "outer_steps": self.outer_steps,
+            "arrivals_seen": self.run.arrivals_seen,
+            "model": self.module.state_dict(),
+            "inner": self.inner.state_dict(),
+            "outer": self.outer.state_dict(),
+            "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
+        }
+
+    def _load(self, state: dict[str, Any]) -> None:
+        heal.load(self.module, self.inner, {"model": state["model"], "optimizer": state["inner"]})
+        self.outer.load_state_dict(state["outer"])
+        for name, obj in self.extra_state.items():
+            obj.load_state_dict(state["extra"][name])
+        self.outer_steps = int(state["outer_steps"])
+        self.run.arrivals_seen = int(state["arrivals_seen"])
+
+    def _check_identical(self, generation: membership.Generation) -> None:
+        every = self._fingerprints()
+        differ = [rank for rank, theirs in enumerate(every) if not torch.equal(theirs, every[generation.source])]
+        if differ:
+            raise HealMismatch(
+                f"after forming generation {generation.number} (heal source rank {generation.source}), rank(s) "
+                f"{differ} hold another theta_global or outer optimizer state."
+            )
+
+    def _fingerprints(self) -> list[torch.Tensor]:
+        tensors = [theta.detach() for theta in self.outer.global_parameters]
+        state = self.outer.outer_optimizer.state_dict()["state"]
+        tensors += [t for s in state.values() for t in s.values() if torch.is_tensor(t)]
+        mine = fingerprint(tensors)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return every
+
+    def _rewire(self) -> None:
+        """DiLoCo's exchange over the current default group (the generation's)."""
+        self.outer.topology = diloco_topology.replicas(None, own_groups=False)
+        self.exchange.rebind(self.outer.topology)
+
+    def _join(self) -> None:
+        """Wait until the members admit this process at an outer step, then form the generation and heal."""
+        started = time.monotonic()
+        run = self.run
+        deadline = started + run.join_timeout_s
+        key = run.keys.admitted(run.uuid)
+        while not run.store.check([key]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not admitted to run {run.run_id} within {run.join_timeout_s:.0f}s.")
+            time.sleep(0.05)
+        number = int(run.store.get(key))
+        generation = membership.await_generation(run.store, run.keys, number, run.uuid, deadline)
+        if run.uuid not in generation.members:
+            self._rejoin()
+            return
+        run.generation = membership.Generation(number - 1, [], 0, [])  # _reconfigure forms ``number`` next
+        try:
+            self._open_and_heal(generation)
+        except RuntimeError as error:
+            logger.warning("gradsync.elastic_diloco: healing in generation %d failed (%s); retrying", number, error)
+            run.generation = generation
+            if not self._reconfigure(generation.members, generation.healthy, "a heal failed"):
+                self._rejoin()
+            return
+        self._record("joined and healed", generation.members, started)
+
+    def _rejoin(self) -> None:
+        run = self.run
+        run.store.delete_key(run.keys.admitted(run.uuid))
+        run.generation = None
+        membership.open_alone(run.store, run.keys, run.uuid)
+        run.arrive()
+        self._join()
+
+    def _record(self, reason: str, candidates: list[str], started: float) -> None:
+        generation = self.run.generation
+        entry = {
+            "generation": generation.number,
+            "reason": reason,
+            "world_size": len(generation.members),
+            "members": list(generation.members),
+            "left_out": [c for c in candidates if c not in generation.members],
+            "healed_from": generation.healthy[0] if len(generation.healthy) < len(generation.members) else None,
+            "outer_steps": self.outer_steps,
+            "inner_step": self.outer.step_count,
+            "seconds": time.monotonic() - started,
+        }
+        self.run.history.append(entry)
+        logger.info("gradsync.elastic_diloco: %s", entry)
+        if self.on_reconfigure is not None:
+            self.on_reconfigure(dist.get_rank(), dist.get_world_size(), self.outer.step_count)
