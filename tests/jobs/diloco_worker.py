@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from etcd_worker import _count_requests  # the training thread's etcd requests
 from torch import nn
 
 from gradsync import elastic
 from gradsync.elastic_diloco import FaultTolerantDiLoCo
-
-from etcd_worker import _count_requests  # the training thread's etcd requests
 
 WIDTH = 16
 
