@@ -44,6 +44,7 @@ STUDIES: dict[str, tuple[str, bool, str]] = {
     "zero": (LAUNCHER, True, " {memory,speed}"),
     "etcd": (LAUNCHER, False, " {faults,decide,overhead,all}"),
     "diloco_task": (TORCHRUN, True, " --steps N --seeds S ..."),
+    "diloco_faults": (LAUNCHER, False, " --runs 5 --stores tcp,etcd"),
     "gpu_step": (SINGLE, False, ""),
 }
 HEADLINE = "iteration"  # make bench

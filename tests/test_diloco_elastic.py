@@ -1,141 +1,31 @@
 """Fault-tolerant DiLoCo: a replica SIGKILLed in its inner steps or in an outer exchange costs the
 survivors no inner step, and its restarted self is healed from a live peer.
 
-Real replica processes (tests/jobs/diloco_worker.py) around a store hosted here; the reference is
-a single-process replay written here from torch alone (no gradsync): it keeps one model and one
-AdamW per replica, takes each contributor's inner steps on its own batches, averages the outer
-gradients of exactly the contributors every committed outer step names (summed in rank order, as
-the exchange does, so the bits match), steps a torch Nesterov SGD on theta_global, and heals a
-joiner as a copy of its source (parameters and AdamW state). The replay must equal every
-replica's final parameters and theta_global bit for bit.
+Real replica processes (tests/jobs/diloco_worker.py) around a store hosted here (or etcd); every
+run is checked bit for bit against a single-process replay written from torch alone
+(tests/diloco_elastic_support.py), with a negative control showing the replay can tell a wrong
+heal apart.
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
-from elastic_support import ElasticJob
-from etcd_support import EtcdJob, etcd_cluster  # noqa: F401 - a fixture
+from diloco_elastic_support import STEPS, DiLoCoJob, H, check, check_bitwise, run_with_a_death
 
-sys.path.insert(0, str(Path(__file__).parent / "jobs"))
-import diloco_worker  # noqa: E402
+from etcd_support import etcd_cluster  # noqa: F401 - a fixture
 
-H = 4
-STEPS = 24  # six outer steps
 pytestmark = pytest.mark.timeout(120)
-
-
-class DiLoCoJob(EtcdJob):
-    """Replicas of tests/jobs/diloco_worker.py around etcd (``cluster``) or a TCPStore hosted here (None)."""
-
-    worker = Path(__file__).parent / "jobs" / "diloco_worker.py"
-
-
-def _run_with_a_death(job: ElasticJob, fault: str) -> list[dict]:
-    """a, b, c (slots 0-2); c dies at ``fault``; c2, its restart in slot 2, joins and is healed."""
-    job.start("a", slot=0)
-    job.start("b", slot=1)
-    job.wait_arrivals(2)
-    job.start("c", slot=2, fault=fault)
-    assert job.wait_for_exit("c", timeout_s=60) != 0  # SIGKILLed
-    job.start("c2", slot=2)
-    return job.finish(["a", "b", "c2"], timeout_s=90)
-
-
-def _logs(out: Path) -> tuple[dict[int, list[str]], dict[str, tuple[int, str]], dict[str, int]]:
-    """Committed outer step -> contributors; joiner uuid -> (first outer step, source uuid); uuid -> slot."""
-    commits: dict[int, set[tuple[str, ...]]] = defaultdict(set)
-    joins, slots = {}, {}
-    for path in out.glob("*.jsonl"):
-        for entry in map(json.loads, path.read_text().splitlines()):
-            slots[entry["uuid"]] = entry["slot"]
-            if "joined" in entry:
-                joins[entry["uuid"]] = (entry["joined"], entry["source"])
-            else:
-                commits[entry["outer_step"]].add(tuple(entry["contributors"]))
-    assert all(len(seen) == 1 for seen in commits.values()), f"replicas disagree on who contributed: {commits}"
-    return {k: list(next(iter(v))) for k, v in commits.items()}, joins, slots
-
-
-def _replay(out: Path) -> tuple[list[torch.Tensor], dict[str, nn.Module]]:
-    """theta_global and every replica's model after the committed outer steps, in one process."""
-    commits, joins, slots = _logs(out)
-    assert sorted(commits) == list(range(len(commits))), f"committed outer steps have gaps: {sorted(commits)}"
-    theta = [nn.Parameter(p.detach().clone()) for p in diloco_worker.make_model().parameters()]
-    outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
-    replicas: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
-    for k in range(len(commits)):
-        for uuid, (first, source) in joins.items():
-            if first == k:  # healed after outer step k - 1: a copy of its source replica
-                model = copy.deepcopy(replicas[source][0])
-                opt = diloco_worker.make_inner(model)
-                opt.load_state_dict(copy.deepcopy(replicas[source][1].state_dict()))
-                replicas[uuid] = (model, opt)
-        deltas = []
-        for uuid in commits[k]:
-            if uuid not in replicas:  # a founding replica
-                model = diloco_worker.make_model()
-                replicas[uuid] = (model, diloco_worker.make_inner(model))
-            model, opt = replicas[uuid]
-            for step in range(k * H, (k + 1) * H):
-                x, y = diloco_worker.batch(slots[uuid], step)
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-            deltas.append([t.detach() - p.detach() for t, p in zip(theta, model.parameters())])
-        with torch.no_grad():
-            for i, t in enumerate(theta):
-                total = deltas[0][i].clone()
-                for delta in deltas[1:]:
-                    total.add_(delta[i])  # in rank order, as the exchange sums
-                t.grad = total.div_(float(len(deltas)))
-            outer.step()
-            for uuid in commits[k]:
-                for p, t in zip(replicas[uuid][0].parameters(), theta):
-                    p.copy_(t)
-        for t in theta:
-            t.grad = None
-    return [t.detach() for t in theta], {uuid: model for uuid, (model, _) in replicas.items()}
-
-
-def _check(out: Path, results: list[dict], dead_at: int) -> None:
-    commits, joins, _ = _logs(out)
-    by_name = {r["name"]: r for r in results}
-    survivors = {by_name["a"]["uuid"], by_name["b"]["uuid"]}
-    # No inner step lost: both survivors contributed to every committed outer step.
-    assert all(survivors <= set(c) for c in commits.values()), commits
-    assert len(commits[dead_at]) == 2, f"outer step {dead_at} should average the two survivors: {commits[dead_at]}"
-    assert by_name["a"]["redone"] >= 1 or dead_at == -1
-    joined_at, source = joins[by_name["c2"]["uuid"]]
-    assert source in survivors and dead_at < joined_at <= len(commits) - 2
-    assert all(by_name["c2"]["uuid"] in commits[k] for k in range(joined_at, len(commits)))  # it contributes
-    _check_bitwise(out, results)
-
-
-def _check_bitwise(out: Path, results: list[dict]) -> None:
-    theta, models = _replay(out)
-    for result in results:
-        assert result["identical"], result
-        saved = torch.load(out / f"{result['name']}.pt")
-        flat = torch.cat([t.reshape(-1) for t in theta])
-        assert torch.equal(saved["theta"][0], flat), f"{result['name']}: theta_global differs from the replay"
-        for mine, reference in zip(saved["model"].values(), models[result["uuid"]].state_dict().values()):
-            assert torch.equal(mine, reference), f"{result['name']}: parameters differ from the replay"
 
 
 @pytest.mark.parametrize("fault", [f"inner:{2 * H + 1}", "exchange:2"], ids=["inner", "exchange"])
 def test_survivors_lose_no_inner_step_and_the_restarted_replica_is_healed(fault: str, tmp_path: Path) -> None:
     job = DiLoCoJob(tmp_path, f"diloco-{fault.replace(':', '-')}", None, sync_every=H, steps=STEPS, await_joiner="")
-    results = _run_with_a_death(job, fault)
-    _check(tmp_path, results, dead_at=2)
+    results = run_with_a_death(job, fault)
+    check(tmp_path, results, dead_at=2)
     if fault.startswith("inner"):
         # Negative control: the replay is sensitive to what the joiner was healed with. Claiming it
         # was healed from the other survivor (the same parameters after the outer step, another
@@ -148,7 +38,7 @@ def test_survivors_lose_no_inner_step_and_the_restarted_replica_is_healed(fault:
                 entry["source"] = next(iter(survivors - {entry["source"]}))
         path.write_text("".join(json.dumps(e) + "\n" for e in entries))
         with pytest.raises(AssertionError, match="parameters differ|theta_global differs"):
-            _check_bitwise(tmp_path, results)
+            check_bitwise(tmp_path, results)
 
 
 def test_on_etcd_the_training_thread_asks_the_store_nothing_between_outer_steps(
@@ -156,8 +46,8 @@ def test_on_etcd_the_training_thread_asks_the_store_nothing_between_outer_steps(
     tmp_path: Path,
 ) -> None:
     job = DiLoCoJob(tmp_path, "diloco-etcd", etcd_cluster, sync_every=H, steps=STEPS, await_joiner="")
-    results = _run_with_a_death(job, "exchange:2")
-    _check(tmp_path, results, dead_at=2)
+    results = run_with_a_death(job, "exchange:2")
+    check(tmp_path, results, dead_at=2)
     for result in results:
         counts = result["requests_after_step"]
         inner_only = [(a, b) for (_, a), (step, b) in zip(counts, counts[1:]) if step % H != 0]

@@ -89,7 +89,8 @@ def main() -> None:
     log = (out / f"{args.name}.jsonl").open("a")
     if joiner:
         healed = run.history[-1]
-        log.write(json.dumps({**me, "joined": outer.outer_steps, "source": healed["healed_from"]}) + "\n")
+        entry = {**me, "joined": outer.outer_steps, "source": healed["healed_from"], "t": time.time()}
+        log.write(json.dumps(entry) + "\n")
         log.flush()
 
     def waiting() -> bool:  # the same answer on every member at the same outer step
@@ -109,7 +110,8 @@ def main() -> None:
         inner.zero_grad()
         requests_after_step.append((outer.step_count, requests[0]))
         if outer.outer_steps == before + 1:
-            log.write(json.dumps({**me, "outer_step": before, "contributors": outer.contributors}) + "\n")
+            entry = {**me, "outer_step": before, "contributors": outer.contributors, "t": time.time()}
+            log.write(json.dumps(entry) + "\n")
             log.flush()
         time.sleep(args.sleep)
     result = {
