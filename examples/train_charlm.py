@@ -7,12 +7,22 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_charlm.py --mode diloco \\
         --island-size 2                                                 # 2 islands of a 2-process DDP each
 
+Fault tolerant (``--elastic``, DiLoCo only): a store that belongs to no trainer, then one torchrun
+per replica, so that a dead replica is restarted alone; it is healed from a live one and the others
+lose no inner step (docs/diloco.md, Fault tolerance):
+
+    python -m gradsync.elastic.store --port 29400 &
+    for r in 0 1 2; do GRADSYNC_STORE=127.0.0.1:29400 GRADSYNC_REPLICAS=3 OMP_NUM_THREADS=1 \\
+        torchrun --standalone --nproc-per-node 1 --max-restarts 3 examples/train_charlm.py \\
+        --mode diloco --elastic --replica $r & done; wait
+
 The text is the English of ``pydoc_data/topics.py``, which ships with CPython (no download); the
 last 10% is held out for validation. The model is a small pre-norm transformer (context 128).
 ``--mode ddp``: every step's gradients are averaged (gradsync DDP). ``--mode diloco``: each process
 (or island) takes ``--sync-every`` AdamW steps on its own batches, then the outer Nesterov step on
 the averaged outer gradient (docs/diloco.md). ``--mode local``: LocalSGD (parameter averaging).
-Rank 0 prints the validation loss against the wall-clock.
+Rank 0 prints the validation loss against the wall-clock. With ``--elastic`` each replica's batches
+are drawn from (seed, ``--replica``, step), so a restarted replica reads what its slot would have.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ from torch import nn
 
 import gradsync.diloco
 from gradsync import DistributedDataParallel as DDP
+from gradsync import elastic
+from gradsync.elastic_diloco import FaultTolerantDiLoCo
 
 CONTEXT = 128
 
@@ -98,16 +110,26 @@ def main() -> None:
     parser.add_argument("--island-size", type=int, default=1, help="processes per island (DDP inside, DiLoCo across)")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--elastic", action="store_true", help="fault tolerant DiLoCo over gradsync.elastic")
+    parser.add_argument("--replica", type=int, default=0, help="with --elastic: this replica's data slot")
     args = parser.parse_args()
+    if args.elastic and (args.mode != "diloco" or args.island_size > 1 or args.delay):
+        raise SystemExit("--elastic runs --mode diloco with plain replicas and --delay 0 (docs/diloco.md)")
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if args.elastic:
+        elastic.init()  # GRADSYNC_STORE, GRADSYNC_REPLICAS; a restarted replica is a joiner
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     train, held_out, vocabulary = corpus()
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP and DiLoCo broadcast them anyway)
     model = CharLM(vocabulary, args.width, args.layers)
     generator = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each process its own batches
 
+    if args.elastic:
+        elastic_main(args, model, train, held_out)
+        return
     if args.mode == "ddp":
         trained = DDP(model)
         inner = torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
@@ -149,6 +171,35 @@ def main() -> None:
     if rank == 0:
         print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f} s (ppl {math.exp(held):.2f})")
     dist.destroy_process_group()
+
+
+def elastic_main(args: argparse.Namespace, model: nn.Module, train: torch.Tensor, held_out: torch.Tensor) -> None:
+    """DiLoCo that goes on when a replica dies; the loop runs on the outer object's step count."""
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+
+    def outer_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=args.outer_lr, momentum=0.9, nesterov=True)
+
+    outer = FaultTolerantDiLoCo(
+        model, inner, args.sync_every, outer_optimizer=outer_optimizer, fragments=args.fragments, wire=args.wire,
+        on_reconfigure=lambda rank, world, step: print(f"replica {args.replica}: now rank {rank} of {world} at "
+                                                       f"step {step}", flush=True),
+    )  # fmt: skip
+    generator = torch.Generator()
+    start = time.perf_counter()
+    while outer.step_count < args.steps:
+        step = outer.step_count + 1
+        generator.manual_seed((args.seed * 1000 + args.replica) * 1_000_003 + step)
+        loss_of(model, *batch(train, args.batch, generator)).backward()
+        outer.step()
+        inner.zero_grad()
+        if step % args.eval_every == 0 or step == args.steps:
+            held = validation_loss(model, held_out)
+            print(f"replica {args.replica} step {step:5d}  {time.perf_counter() - start:7.1f} s  validation loss "
+                  f"{held:.4f}  ({outer.world_size} replicas)", flush=True)  # fmt: skip
+    print(f"replica {args.replica} done: identical theta_global on every replica: {outer.replicas_identical()}")
+    dist.barrier()  # nobody leaves while another still compares
+    outer.close()
 
 
 if __name__ == "__main__":

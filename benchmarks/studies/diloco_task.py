@@ -16,12 +16,16 @@ step. Every contender starts from the same weights and each rank sees the same b
 contender (its own generator, seeded by seed and rank); contenders train the same number of inner
 steps one after the other, in an order rotated per seed. Wall-clock is training time only, the
 slowest rank's (each rank sums its own step times; evaluation is excluded and synchronised by a
-barrier); the validation loss is rank 0's parameters on 10 fixed held-out batches of 32, every
-``--eval-every`` steps (a multiple of H, so right after an outer step for blocking DiLoCo).
+barrier); the validation loss is taken on 10 fixed held-out batches of 32, every ``--eval-every``
+steps (a multiple of H, so right after an outer step for blocking DiLoCo), of DDP's parameters,
+of each replica's own with no communication, and for DiLoCo of the replicas' average (theta_global
+itself for blocking DiLoCo there; Streaming never has every fragment in sync); the report also
+lists DiLoCo's curves on rank 0's local parameters (what the first two reports of 2026-12-03 used).
 
 Contenders: gradsync DDP (every step all-reduced: 32 sequences per step), no communication (each
 replica alone: the floor of a step's time), DiLoCo H = 50 (outer Nesterov 0.7 / 0.9) in fp32 and in
-int8, Streaming DiLoCo H = 50, F = 2, delay 2, int8.
+int8, Streaming DiLoCo H = 50, F = 2, delay 2, int8; with ``--contenders``, also Streaming with
+F = 2 and delay 0 or 2 in fp32 (to tell apart what the fragments, the delay and the wire cost).
 """
 
 from __future__ import annotations
@@ -53,7 +57,27 @@ CONTENDERS: dict[str, dict[str, Any] | None] = {
     "DiLoCo H=50 fp32": {"fragments": 1, "delay": 0, "wire": "fp32"},
     "DiLoCo H=50 int8": {"fragments": 1, "delay": 0, "wire": "int8"},
     "Streaming H=50 F=2 delay 2 int8": {"fragments": 2, "delay": 2, "wire": "int8"},
+    # Only with --contenders: what of Streaming's gap is the fragments, the delay, the wire.
+    "Streaming H=50 F=2 delay 0 fp32": {"fragments": 2, "delay": 0, "wire": "fp32"},
+    "Streaming H=50 F=2 delay 2 fp32": {"fragments": 2, "delay": 2, "wire": "fp32"},
 }
+DEFAULT_CONTENDERS = list(CONTENDERS)[:5]
+
+
+def replica_average(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` holding the mean of every replica's parameters (collective).
+
+    What a DiLoCo run would deploy at this step: for blocking DiLoCo right after an outer step it
+    is theta_global itself (every replica holds it); with Streaming no step has every fragment in
+    sync, and one replica's local parameters carry up to H steps of its own drift."""
+    import copy
+
+    averaged = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in averaged.parameters():
+            dist.all_reduce(param)
+            param.div_(dist.get_world_size())
+    return averaged
 
 
 def train(name: str, seed: int, steps: int, eval_every: int, data: tuple) -> dict[str, Any]:
@@ -75,7 +99,7 @@ def train(name: str, seed: int, steps: int, eval_every: int, data: tuple) -> dic
         trained = model
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
         stepper = gradsync.diloco.DiLoCo(model, inner, H, outer_optimizer=gradsync.diloco.nesterov, **knobs)
-    curve, elapsed, step_times = [], 0.0, []
+    curve, local_curve, elapsed, step_times = [], [], 0.0, []
     dist.barrier()
     for step in range(1, steps + 1):
         x, y = charlm.batch(train_data, 16, generator)
@@ -88,7 +112,10 @@ def train(name: str, seed: int, steps: int, eval_every: int, data: tuple) -> dic
         if step % eval_every == 0:
             wall = torch.tensor([elapsed], dtype=torch.float64)
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # a step is done when every rank is
-            curve.append((step, wall.item(), charlm.validation_loss(model, held_out)))
+            evaluated = replica_average(model) if knobs else model
+            curve.append((step, wall.item(), charlm.validation_loss(evaluated, held_out)))
+            if knobs:
+                local_curve.append((step, charlm.validation_loss(model, held_out)))
             dist.barrier()
     sent = 0.0
     if knobs:
@@ -96,7 +123,12 @@ def train(name: str, seed: int, steps: int, eval_every: int, data: tuple) -> dic
         sent = stepper.wire.sent_bytes / steps
     elif knobs is None:
         sent = 2 * (dist.get_world_size() - 1) / dist.get_world_size() * trained.stats().bytes_reduced_per_iteration
-    return {"curve": curve, "median_step_ms": statistics.median(step_times) * 1e3, "bytes_per_step": sent}
+    return {
+        "curve": curve,
+        "local_curve": local_curve,
+        "median_step_ms": statistics.median(step_times) * 1e3,
+        "bytes_per_step": sent,
+    }
 
 
 def time_to(curve: list[tuple[int, float, float]], target: float) -> float | None:
@@ -139,6 +171,10 @@ def write_report(runs: dict[int, dict[str, dict[str, Any]]], args: argparse.Name
     first = next(iter(runs.values()))
     for name, r in first.items():
         lines.append(f"- {name}: " + ", ".join(f"{s}: {v:.3f}" for s, _, v in r["curve"]))
+    lines += ["", "The same DiLoCo runs evaluated on rank 0's local parameters instead of the replicas' average:", ""]
+    for name, r in first.items():
+        if r["local_curve"]:
+            lines.append(f"- {name}: " + ", ".join(f"{s}: {v:.3f}" for s, v in r["local_curve"]))
     path = report_path("diloco-task")
     path.write_text("\n".join(lines) + "\n")
     _chart(runs, chart)
@@ -176,6 +212,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--link", help="rate of a shaped loopback link (100mbit, 1gbit): start with python")
+    parser.add_argument(
+        "--contenders", nargs="+", default=DEFAULT_CONTENDERS, choices=list(CONTENDERS), metavar="NAME",
+        help=f"a subset, quoted (default: the first five); DDP and no communication are always run. {list(CONTENDERS)}",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.eval_every % H:
         raise SystemExit(f"--eval-every must be a multiple of H = {H}")
@@ -186,7 +226,7 @@ def main() -> None:
     load = MachineLoad()
     load.start()
     runs: dict[int, dict[str, dict[str, Any]]] = {}
-    names = list(CONTENDERS)
+    names = ["DDP", NO_COMMUNICATION] + [n for n in args.contenders if n not in ("DDP", NO_COMMUNICATION)]
     for k, seed in enumerate(args.seeds):
         order = names[k % len(names) :] + names[: k % len(names)]
         results = {}

@@ -62,6 +62,8 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--slot", type=int, required=True)
     p.add_argument("--sync-every", type=int, default=4)
+    p.add_argument("--fragments", type=int, default=1)
+    p.add_argument("--wire", default="fp32")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--await-joiner", action="store_true", help="also run until a joiner took part in 2 outer steps")
     p.add_argument("--out", required=True)
@@ -82,7 +84,7 @@ def main() -> None:
     model = make_model()
     inner = make_inner(model)
     joiner = run.joining
-    outer = FaultTolerantDiLoCo(model, inner, sync_every=args.sync_every)
+    outer = FaultTolerantDiLoCo(model, inner, sync_every=args.sync_every, fragments=args.fragments, wire=args.wire)
     if phase == "exchange":
         _die_in_exchange(outer, at)
     me = {"uuid": run.uuid, "slot": args.slot, "name": args.name}
@@ -125,6 +127,7 @@ def main() -> None:
         "redone": outer.exchange.redone,
         "requests_after_step": requests_after_step,
         "sync_every": args.sync_every,
+        "fragments": args.fragments,
     }
     state = {"model": model.state_dict(), "theta": [t.detach().clone() for t in outer.outer.global_parameters]}
     torch.save(state, out / f"{args.name}.pt")

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..diloco import topology as diloco_topology
+from ..diloco.exchange import WireCount
 from ..diloco.outer import DiLoCo, OuterOptimizerFactory
 from ..elastic import heal, membership
 from ..elastic.fault_tolerant import HealMismatch
@@ -135,7 +136,8 @@ class FaultTolerantDiLoCo:
         return list(self.run.generation.members) if self.run.generation else []
 
     @property
-    def wire(self):  # noqa: ANN201 - DiLoCo's WireCount
+    def wire(self) -> WireCount:
+        """Bytes this replica sent for the outer exchanges (redone ones included)."""
         return self.exchange.count
 
     def replicas_identical(self) -> bool:
@@ -143,9 +145,6 @@ class FaultTolerantDiLoCo:
         (the local parameters differ between outer steps by design)."""
         every = self._fingerprints()
         return all(torch.equal(theirs, every[0]) for theirs in every)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.outer.state_dict(), "outer_steps": self.outer_steps}
 
     def close(self) -> None:
         """Leave the run on purpose, after the last step (peers do not take it for dead)."""
