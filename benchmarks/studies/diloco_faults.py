@@ -2,7 +2,9 @@
 
     python -m benchmarks diloco_faults [--runs 5] [--stores tcp,etcd]
 
-from the repository root (etcd runs need ``make etcd``). Each run is the job of
+from the repository root (etcd runs need ``make etcd``).
+
+Each run is the job of
 tests/test_diloco_elastic.py (tests/jobs/diloco_worker.py; the replicas and the replay are the
 tests' own, so the benchmark checks what the test checks): three replicas of a small MLP, AdamW
 inner, Nesterov outer, H = 4, 20 ms of simulated compute per inner step; replica c is SIGKILLed

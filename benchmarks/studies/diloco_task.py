@@ -137,7 +137,9 @@ def time_to(curve: list[tuple[int, float, float]], target: float) -> float | Non
 
 
 def write_report(runs: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace, load: str) -> None:
-    chart = report_path("diloco-task", "png")
+    kind = f"diloco-task-{dist.get_world_size()}replicas" if dist.get_world_size() != 2 else "diloco-task"
+    kind += f"-{args.label}" if args.label else ""
+    chart = report_path(kind, "png")
     lines = [
         f"# DiLoCo on a real task: character LM, {args.steps} inner steps, seeds {args.seeds} ({today()})",
         "",
@@ -175,7 +177,7 @@ def write_report(runs: dict[int, dict[str, dict[str, Any]]], args: argparse.Name
     for name, r in first.items():
         if r["local_curve"]:
             lines.append(f"- {name}: " + ", ".join(f"{s}: {v:.3f}" for s, v in r["local_curve"]))
-    path = report_path("diloco-task")
+    path = report_path(kind)
     path.write_text("\n".join(lines) + "\n")
     _chart(runs, chart)
     print(path.read_text())
@@ -201,7 +203,7 @@ def _chart(runs: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:
         ax.set_ylabel("validation loss")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"char LM, 2 replicas: DDP vs DiLoCo ({link.current() or 'plain loopback'})")
+    fig.suptitle(f"char LM, {dist.get_world_size()} replicas: DDP vs DiLoCo ({link.current() or 'plain loopback'})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -212,6 +214,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--link", help="rate of a shaped loopback link (100mbit, 1gbit): start with python")
+    parser.add_argument("--replicas", type=int, default=2, help="with --link: processes (replicas) to start")
+    parser.add_argument("--label", default="", help="appended to the report's name (it replaces a same-day one)")
     parser.add_argument(
         "--contenders", nargs="+", default=DEFAULT_CONTENDERS, choices=list(CONTENDERS), metavar="NAME",
         help=f"a subset, quoted (default: the first five); DDP and no communication are always run. {list(CONTENDERS)}",
@@ -219,7 +223,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.eval_every % H:
         raise SystemExit(f"--eval-every must be a multiple of H = {H}")
-    link.enter(args.link, nproc=2)
+    link.enter(args.link, nproc=args.replicas)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     data = charlm.corpus()
