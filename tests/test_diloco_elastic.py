@@ -23,9 +23,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.mark.parametrize(
+    # The mid-exchange kill runs here with two fragments (outer step 3 syncs fragment 1); with one,
+    # it is the etcd test's case (and the benchmark's, 5 runs each on both stores).
     "fault, fragments, dead_at",
-    [(f"inner:{2 * H + 1}", 1, 2), ("exchange:2", 1, 2), ("exchange:3", 2, 3)],
-    ids=["inner", "exchange", "exchange-2-fragments"],
+    [(f"inner:{2 * H + 1}", 1, 2), ("exchange:3", 2, 3)],
+    ids=["inner", "exchange-2-fragments"],
 )
 def test_survivors_lose_no_inner_step_and_the_restarted_replica_is_healed(
     fault: str, fragments: int, dead_at: int, tmp_path: Path
