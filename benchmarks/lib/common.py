@@ -127,8 +127,16 @@ def summarise(times: list[float]) -> Summary:
     return Summary(statistics.median(ms), p90, len(ms))
 
 
-def paired_ratio(samples: list[float], reference: list[float], iters: int) -> tuple[float, float, float]:
+def paired_ratio(
+    samples: list[float],
+    reference: list[float],
+    iters: int,
+    statistic: Callable[[list[float]], float] = statistics.median,
+) -> tuple[float, float, float]:
     """Median over rounds of (this round's median / the reference's median in the same round), with a 90% CI.
+
+    ``statistic=statistics.fmean`` compares blocks by their mean iteration instead (throughput: an
+    occasional long iteration counts in full).
 
     Contenders run interleaved, so a round's two blocks saw the same machine state; the
     per-round ratio cancels drift that the ratio of overall medians keeps. The interval is a
@@ -136,8 +144,7 @@ def paired_ratio(samples: list[float], reference: list[float], iters: int) -> tu
     """
     rounds = min(len(samples), len(reference)) // iters
     per_round = [
-        statistics.median(samples[r * iters : (r + 1) * iters])
-        / statistics.median(reference[r * iters : (r + 1) * iters])
+        statistic(samples[r * iters : (r + 1) * iters]) / statistic(reference[r * iters : (r + 1) * iters])
         for r in range(rounds)
     ]
     rng = random.Random(0)

@@ -42,7 +42,17 @@ import torch.distributed as dist
 
 import gradsync.diloco
 from benchmarks.lib import launch, link
-from benchmarks.lib.common import REPO, MachineLoad, environment_lines, report_path, today
+from benchmarks.lib.common import (
+    REPO,
+    Contender,
+    MachineLoad,
+    environment_lines,
+    interleave,
+    paired_ratio,
+    report_path,
+    summarise,
+    today,
+)
 from gradsync import DistributedDataParallel as DDP
 
 _spec = importlib.util.spec_from_file_location("train_charlm", Path(REPO) / "examples" / "train_charlm.py")
@@ -131,6 +141,68 @@ def train(name: str, seed: int, steps: int, eval_every: int, data: tuple) -> dic
     }
 
 
+STEP_TIME_CONTENDERS = ["DiLoCo H=50 int8", "Streaming H=50 F=2 delay 2 int8"]
+
+
+def step_time(rounds: int, data: tuple) -> dict[str, list[float]]:
+    """Interleaved blocks of H inner steps: no communication, then each DiLoCo contender, in rotation.
+
+    Every block is one whole round of the schedule and ends where nothing is in flight: each
+    contender is first stepped 52 times untimed (52 = 2 mod H: with F = 2, delay 2 the fragments
+    start after steps 25 and 50 of a round and land after 27 and 52), so a timed block runs steps
+    3..52 of a round. Per block the slowest rank's time of every step is kept."""
+    train_data, _, vocabulary = data
+    contenders = []
+    for name in [NO_COMMUNICATION, *STEP_TIME_CONTENDERS]:
+        torch.manual_seed(1)
+        model = charlm.CharLM(vocabulary, 128, 2)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+        knobs = CONTENDERS[name]
+        stepper: Any = inner if not knobs else gradsync.diloco.DiLoCo(model, inner, H, **knobs)
+        generator = torch.Generator().manual_seed(1000 + dist.get_rank())
+
+        def step(i: int, model: Any = model, inner: Any = inner, stepper: Any = stepper, g: Any = generator) -> None:
+            x, y = charlm.batch(train_data, 16, g)
+            inner.zero_grad()
+            charlm.loss_of(model, x, y).backward()
+            stepper.step()
+
+        contenders.append(Contender(name, step))
+    return interleave(contenders, rounds, H, warmup=H + 2)
+
+
+def write_step_time_report(samples: dict[str, list[float]], args: argparse.Namespace, load: str) -> None:
+    reference = samples[NO_COMMUNICATION]
+    lines = [
+        f"# DiLoCo's inner step against no communication, interleaved ({today()})",
+        "",
+        *environment_lines(launch.command_line()),
+        f"- machine load while measuring: {load}",
+        "",
+        " ".join(line.strip() for line in (step_time.__doc__ or "").splitlines()),
+        f" {args.rounds} rounds; ratios are per round (this block / the no-communication block of the same round), "
+        "median over rounds with a 90% bootstrap interval; 'mean' compares the blocks' mean step (throughput: the "
+        "steps that wait for a landing count in full), 'median' their median step.",
+        "",
+        "| contender | median step ms | p90 ms | mean step ms | vs no communication, mean [90% CI] | "
+        "vs no communication, median [90% CI] |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, times in samples.items():
+        summary = summarise(times)
+        mean_ratio = paired_ratio(times, reference, H, statistics.fmean)
+        median_ratio = paired_ratio(times, reference, H)
+        lines.append(
+            f"| {name} | {summary.median_ms:.1f} | {summary.p90_ms:.1f} | {statistics.fmean(times) * 1e3:.1f} | "
+            f"{mean_ratio[0]:.3f} [{mean_ratio[1]:.3f}, {mean_ratio[2]:.3f}] | "
+            f"{median_ratio[0]:.3f} [{median_ratio[1]:.3f}, {median_ratio[2]:.3f}] |"
+        )
+    path = report_path("diloco-step-time" + (f"-{args.label}" if args.label else ""))
+    path.write_text("\n".join(lines) + "\n")
+    print(path.read_text())
+    print(f"report: {path}")
+
+
 def time_to(curve: list[tuple[int, float, float]], target: float) -> float | None:
     """Wall-clock of the first evaluation at or below ``target`` (None: never reached)."""
     return next((wall for _, wall, loss in curve if loss <= target), None)
@@ -214,6 +286,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--link", help="rate of a shaped loopback link (100mbit, 1gbit): start with python")
+    parser.add_argument("--step-time", action="store_true", help="only the interleaved step-time comparison")
+    parser.add_argument("--rounds", type=int, default=20, help="with --step-time: blocks of H steps per contender")
     parser.add_argument("--replicas", type=int, default=2, help="with --link: processes (replicas) to start")
     parser.add_argument("--label", default="", help="appended to the report's name (it replaces a same-day one)")
     parser.add_argument(
@@ -229,6 +303,14 @@ def main() -> None:
     data = charlm.corpus()
     load = MachineLoad()
     load.start()
+    if args.step_time:
+        samples = step_time(args.rounds, data)
+        load.stop()
+        if dist.get_rank() == 0:
+            write_step_time_report(samples, args, load.describe())
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     runs: dict[int, dict[str, dict[str, Any]]] = {}
     names = ["DDP", NO_COMMUNICATION] + [n for n in args.contenders if n not in ("DDP", NO_COMMUNICATION)]
     for k, seed in enumerate(args.seeds):
