@@ -67,9 +67,15 @@ def per_rank() -> bool:
     return os.environ.get(TOPOLOGY_VAR) == "per-rank"
 
 
+def islands() -> str | None:
+    """ "islands of N" when ranks share a namespace in groups of N behind one link (``run_ranks``)."""
+    topology = os.environ.get(TOPOLOGY_VAR, "")
+    return topology if topology.startswith("islands") else None
+
+
 def shaped_device() -> str:
     """The interface whose qdisc shapes this process's traffic (for tc statistics)."""
-    return "eth0" if per_rank() else "lo"
+    return "eth0" if per_rank() or islands() else "lo"
 
 
 def describe(rate: str | None = None, one_per_rank: bool | None = None) -> str:
@@ -78,6 +84,12 @@ def describe(rate: str | None = None, one_per_rank: bool | None = None) -> str:
     one_per_rank = per_rank() if one_per_rank is None else one_per_rank
     if rate is None:
         return "plain loopback (unshaped: communication is CPU time on the training cores)"
+    if islands() is not None:
+        return (
+            f"{islands()} ranks: each island in its own network namespace (its ranks talk over its loopback, "
+            f"unshaped), the islands joined to a bridge by veth pairs shaped to {rate} in each direction "
+            f"(tc tbf, burst {BURST}, latency {LATENCY}; MTU {MTU})"
+        )
     if one_per_rank:
         return (
             f"one link per rank: each rank in its own network namespace, joined to a bridge by a veth pair "
@@ -170,22 +182,33 @@ def switched_namespaces(rate: str, ranks: int) -> Iterator[list[str]]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def run_ranks(rate: str, ranks: int, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
+def run_ranks(
+    rate: str, ranks: int, argv: Sequence[str], env: dict[str, str] | None = None, per_namespace: int = 1
+) -> int:
     """Run ``argv`` once per rank, each behind its own link ([Note: one link per rank]); the worst status.
 
-    Each process gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK=0, MASTER_ADDR = rank
+    Each process gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR = rank
     0's address) and ``GLOO_SOCKET_IFNAME=eth0``, so ``init_process_group()`` works unchanged.
     On failure of one rank, or an interrupt, the others are stopped before the links go.
+
+    ``per_namespace > 1``: [Note: islands behind one link] - ranks ``i * per_namespace ..`` share
+    namespace ``i``. Between themselves they talk to their own ``eth0`` address, which the kernel
+    delivers over the namespace's loopback, unshaped (a fast link inside the island); to any other
+    namespace every byte passes the two shapers of the veth pairs (the slow link between islands).
     """
-    base = dict(os.environ if env is None else env, **{ENV_VAR: parse_rate(rate), TOPOLOGY_VAR: "per-rank"})
+    if ranks % per_namespace:
+        raise ValueError(f"{ranks} ranks do not split into namespaces of {per_namespace}")
+    topology = "per-rank" if per_namespace == 1 else f"islands of {per_namespace}"
+    base = dict(os.environ if env is None else env, **{ENV_VAR: parse_rate(rate), TOPOLOGY_VAR: topology})
     base.update(MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT="29500", WORLD_SIZE=str(ranks), GLOO_SOCKET_IFNAME="eth0")
-    base.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0", TORCHELASTIC_RUN_ID="gradsync-bench")
+    base.update(LOCAL_WORLD_SIZE=str(per_namespace), TORCHELASTIC_RUN_ID="gradsync-bench")
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     children: list[subprocess.Popen] = []
     try:
-        with switched_namespaces(rate, ranks) as names:
-            for r, name in enumerate(names):
-                env_r = dict(base, RANK=str(r), GROUP_RANK=str(r))
+        with switched_namespaces(rate, ranks // per_namespace) as names:
+            for r in range(ranks):
+                name, local = names[r // per_namespace], r % per_namespace
+                env_r = dict(base, RANK=str(r), GROUP_RANK=str(r // per_namespace), LOCAL_RANK=str(local))
                 children.append(
                     subprocess.Popen(["ip", "netns", "exec", name, *argv], env=env_r, start_new_session=True)
                 )

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -90,15 +92,21 @@ def replica_average(model: torch.nn.Module) -> torch.nn.Module:
     return averaged
 
 
-def train(name: str, seed: int, steps: int, eval_every: int, data: tuple) -> dict[str, Any]:
+def train(
+    name: str, seed: int, steps: int, eval_every: int, data: tuple, island: dist.ProcessGroup | None = None
+) -> dict[str, Any]:
+    """One contender's run. With ``island`` (this process's island group) a replica is an island: a
+    gradsync DDP over its group; "no communication" is then each island alone, and DiLoCo runs
+    across the islands ([Note: islands] in gradsync/diloco/topology.py)."""
     train_data, held_out, vocabulary = data
     rank = dist.get_rank()
     torch.manual_seed(seed)
     model = charlm.CharLM(vocabulary, 128, 2)
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     knobs = CONTENDERS[name]
+    replica = model if island is None else DDP(model, process_group=island)
     if knobs == {}:  # each replica alone: the floor of a step's time, and what one replica learns by itself
-        trained = model
+        trained = replica
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
         stepper = inner
     elif knobs is None:
@@ -106,9 +114,9 @@ def train(name: str, seed: int, steps: int, eval_every: int, data: tuple) -> dic
         inner = torch.optim.AdamW(trained.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
         stepper: Any = inner
     else:
-        trained = model
+        trained = replica
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
-        stepper = gradsync.diloco.DiLoCo(model, inner, H, outer_optimizer=gradsync.diloco.nesterov, **knobs)
+        stepper = gradsync.diloco.DiLoCo(replica, inner, H, outer_optimizer=gradsync.diloco.nesterov, **knobs)
     curve, local_curve, elapsed, step_times = [], [], 0.0, []
     dist.barrier()
     for step in range(1, steps + 1):
@@ -209,7 +217,9 @@ def time_to(curve: list[tuple[int, float, float]], target: float) -> float | Non
 
 
 def write_report(runs: dict[int, dict[str, dict[str, Any]]], args: argparse.Namespace, load: str) -> None:
-    kind = f"diloco-task-{dist.get_world_size()}replicas" if dist.get_world_size() != 2 else "diloco-task"
+    replicas = dist.get_world_size() // args.islands
+    kind = "diloco-task" if replicas == 2 else f"diloco-task-{replicas}replicas"
+    kind += f"-islands{args.islands}" if args.islands > 1 else ""
     kind += f"-{args.label}" if args.label else ""
     chart = report_path(kind, "png")
     lines = [
@@ -231,14 +241,15 @@ def write_report(runs: dict[int, dict[str, dict[str, Any]]], args: argparse.Name
     for seed, results in runs.items():
         ddp = results["DDP"]
         ddp_loss, ddp_wall = ddp["curve"][-1][2], ddp["curve"][-1][1]
-        floor = results[NO_COMMUNICATION]["median_step_ms"]
+        floor = results[NO_COMMUNICATION]["median_step_ms"] if NO_COMMUNICATION in results else None
         for name, r in results.items():
             loss, wall = r["curve"][-1][2], r["curve"][-1][1]
             reached = time_to(r["curve"], ddp_loss)
             to_loss = "not reached" if reached is None else f"{reached / ddp_wall:.2f}"
             lines.append(
                 f"| {seed} | {name} | {loss:.4f} | {loss / ddp_loss:.3f} | {wall:.1f} | {wall / ddp_wall:.2f} | "
-                f"{to_loss} | {r['median_step_ms']:.1f} | {r['median_step_ms'] / floor:.2f} | "
+                f"{to_loss} | {r['median_step_ms']:.1f} | "
+                f"{'-' if floor is None else format(r['median_step_ms'] / floor, '.2f')} | "
                 f"{r['bytes_per_step']:.0f} |"
             )
     lines += ["", "Validation loss at each evaluation (step: loss), first seed:", ""]
@@ -275,9 +286,24 @@ def _chart(runs: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:
         ax.set_ylabel("validation loss")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"char LM, {dist.get_world_size()} replicas: DDP vs DiLoCo ({link.current() or 'plain loopback'})")
+    fig.suptitle(f"char LM, {dist.get_world_size()} processes: DDP vs DiLoCo ({link.current() or 'plain loopback'})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _enter_islands(args: argparse.Namespace) -> None:
+    """Outside the namespaces: start ``replicas x islands`` processes, island by island, and exit with their
+    status ([Note: islands behind one link] in lib/link.py); inside, return."""
+    if args.link is None:
+        raise SystemExit("--islands needs --link RATE: the link between the islands")
+    if link.current() is not None:
+        return
+    problem = link.missing()
+    if problem:
+        raise SystemExit(f"--islands: a shaped link {problem}")
+    argv = launch.python_m(launch.main_module(), sys.argv[1:])
+    env = launch.env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    raise SystemExit(link.run_ranks(args.link, args.replicas * args.islands, argv, env, per_namespace=args.islands))
 
 
 def main() -> None:
@@ -286,9 +312,15 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--link", help="rate of a shaped loopback link (100mbit, 1gbit): start with python")
+    parser.add_argument("--no-floor", action="store_true", help="skip the no-communication contender")
     parser.add_argument("--step-time", action="store_true", help="only the interleaved step-time comparison")
     parser.add_argument("--rounds", type=int, default=20, help="with --step-time: blocks of H steps per contender")
-    parser.add_argument("--replicas", type=int, default=2, help="with --link: processes (replicas) to start")
+    parser.add_argument("--replicas", type=int, default=2, help="with --link: replicas (processes, or islands)")
+    parser.add_argument(
+        "--islands", type=int, default=1, metavar="S",
+        help="with --link: each replica an island of S processes in a namespace of its own (a gradsync DDP over "
+        "its unshaped loopback), the islands joined by links shaped to --link; DDP runs over all processes",
+    )  # fmt: skip
     parser.add_argument("--label", default="", help="appended to the report's name (it replaces a same-day one)")
     parser.add_argument(
         "--contenders", nargs="+", default=DEFAULT_CONTENDERS, choices=list(CONTENDERS), metavar="NAME",
@@ -297,10 +329,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.eval_every % H:
         raise SystemExit(f"--eval-every must be a multiple of H = {H}")
-    link.enter(args.link, nproc=args.replicas)
+    if args.islands > 1:
+        _enter_islands(args)
+    else:
+        link.enter(args.link, nproc=args.replicas)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     data = charlm.corpus()
+    island = None
+    if args.islands > 1:  # every process makes every island's group (new_group is collective)
+        world = dist.get_world_size()
+        groups = [dist.new_group(list(range(i, i + args.islands))) for i in range(0, world, args.islands)]
+        island = groups[dist.get_rank() // args.islands]
     load = MachineLoad()
     load.start()
     if args.step_time:
@@ -312,12 +352,13 @@ def main() -> None:
         dist.destroy_process_group()
         return
     runs: dict[int, dict[str, dict[str, Any]]] = {}
-    names = ["DDP", NO_COMMUNICATION] + [n for n in args.contenders if n not in ("DDP", NO_COMMUNICATION)]
+    names = ["DDP"] + ([] if args.no_floor else [NO_COMMUNICATION])
+    names += [n for n in args.contenders if n not in ("DDP", NO_COMMUNICATION)]
     for k, seed in enumerate(args.seeds):
         order = names[k % len(names) :] + names[: k % len(names)]
         results = {}
         for name in order:
-            results[name] = train(name, seed, args.steps, args.eval_every, data)
+            results[name] = train(name, seed, args.steps, args.eval_every, data, island)
             if dist.get_rank() == 0:
                 step, wall, loss = results[name]["curve"][-1]
                 print(f"seed {seed} {name}: {wall:.1f} s, val loss {loss:.4f}", flush=True)
