@@ -54,6 +54,44 @@ class ElasticRun:
         self.store.set(self.keys.arrival(index), self.uuid)
         return index
 
+    def await_admission(self) -> Generation | None:
+        """A joiner's wait: until the members admit it at a commit, then the generation they form with it
+        (None when it was left out of that generation: it should ``start_over``)."""
+        deadline = time.monotonic() + self.join_timeout_s
+        key = self.keys.admitted(self.uuid)
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not admitted to run {self.run_id} within {self.join_timeout_s:.0f}s.")
+            time.sleep(0.05)
+        number = int(self.store.get(key))
+        generation = membership.await_generation(self.store, self.keys, number, self.uuid, deadline)
+        if self.uuid not in generation.members:
+            return None
+        self.generation = Generation(number - 1, [], 0, [])  # the caller forms ``number`` next
+        return generation
+
+    def start_over(self) -> None:
+        """Left out (or revoked): alone on a one-process group again, arrived anew, to be admitted and healed."""
+        self.store.delete_key(self.keys.admitted(self.uuid))
+        self.generation = None
+        membership.open_alone(self.store, self.keys, self.uuid)
+        self.arrive()
+
+    def check_enough(self, candidates: list[str], generation: Generation) -> None:
+        """Raise when ``generation`` holds nobody with the training state, or fewer than ``min_replicas``."""
+        if not generation.healthy:
+            raise RuntimeError(
+                f"gradsync.elastic: no member holding the training state is left in generation {generation.number} "
+                "(every one of them died while joiners were being healed); restart from a checkpoint."
+            )
+        if len(generation.members) < self.min_replicas:
+            dead = [rank for rank, uuid in enumerate(candidates) if uuid not in generation.members]
+            raise RuntimeError(
+                f"Rank(s) {dead} of generation {generation.number - 1} died (or stopped answering) and only "
+                f"{len(generation.members)} replica(s) remain, fewer than min_replicas={self.min_replicas}. "
+                "Start replacements (they join and are healed) or lower min_replicas."
+            )
+
     def leave(self) -> None:
         """Finished on purpose: peers stop waiting for this process at once."""
         try:

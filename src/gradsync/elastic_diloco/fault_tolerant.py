@@ -200,7 +200,7 @@ class FaultTolerantDiLoCo:
             if self.run.uuid not in generation.members:
                 logger.warning("gradsync.elastic_diloco: left out of generation %d; joining again", number)
                 return False
-            self._check_enough(candidates, generation)
+            self.run.check_enough(candidates, generation)
             try:
                 self._open_and_heal(generation)
                 break
@@ -209,20 +209,6 @@ class FaultTolerantDiLoCo:
                 candidates, healthy, number = generation.members, generation.healthy, generation.number + 1
         self._record(reason, candidates, started)
         return True
-
-    def _check_enough(self, candidates: list[str], generation: membership.Generation) -> None:
-        if not generation.healthy:
-            raise RuntimeError(
-                f"gradsync.elastic_diloco: no replica holding theta_global is left in generation {generation.number} "
-                "(every one of them died while joiners were being healed); restart from a checkpoint."
-            )
-        if len(generation.members) < self.run.min_replicas:
-            dead = [rank for rank, uuid in enumerate(candidates) if uuid not in generation.members]
-            raise RuntimeError(
-                f"Rank(s) {dead} of generation {generation.number - 1} died (or stopped answering) and only "
-                f"{len(generation.members)} replica(s) remain, fewer than min_replicas={self.run.min_replicas}. "
-                "Start replacements (they join and are healed at the next outer step) or lower min_replicas."
-            )
 
     def _open_and_heal(self, generation: membership.Generation) -> None:
         run = self.run
@@ -283,35 +269,23 @@ class FaultTolerantDiLoCo:
     def _join(self) -> None:
         """Wait until the members admit this process at an outer step, then form the generation and heal."""
         started = time.monotonic()
-        run = self.run
-        deadline = started + run.join_timeout_s
-        key = run.keys.admitted(run.uuid)
-        while not run.store.check([key]):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not admitted to run {run.run_id} within {run.join_timeout_s:.0f}s.")
-            time.sleep(0.05)
-        number = int(run.store.get(key))
-        generation = membership.await_generation(run.store, run.keys, number, run.uuid, deadline)
-        if run.uuid not in generation.members:
+        generation = self.run.await_admission()
+        if generation is None:
             self._rejoin()
             return
-        run.generation = membership.Generation(number - 1, [], 0, [])  # _reconfigure forms ``number`` next
         try:
             self._open_and_heal(generation)
         except RuntimeError as error:
-            logger.warning("gradsync.elastic_diloco: healing in generation %d failed (%s); retrying", number, error)
-            run.generation = generation
+            logger.warning("gradsync.elastic_diloco: healing in generation %d failed (%s); retrying",
+                           generation.number, error)  # fmt: skip
+            self.run.generation = generation
             if not self._reconfigure(generation.members, generation.healthy, "a heal failed"):
                 self._rejoin()
             return
         self._record("joined and healed", generation.members, started)
 
     def _rejoin(self) -> None:
-        run = self.run
-        run.store.delete_key(run.keys.admitted(run.uuid))
-        run.generation = None
-        membership.open_alone(run.store, run.keys, run.uuid)
-        run.arrive()
+        self.run.start_over()
         self._join()
 
     def _record(self, reason: str, candidates: list[str], started: float) -> None:
