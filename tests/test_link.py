@@ -90,7 +90,11 @@ def test_an_interrupted_run_removes_its_namespace_and_its_processes(sig: signal.
     while not any(n.startswith(prefix) for n in _namespaces()):
         assert time.monotonic() < deadline, "the namespace never appeared"
         time.sleep(0.1)
-    time.sleep(0.5)  # let the child start
+    # Interrupt once the child runs (the runner is then waiting for it): on a loaded machine a fixed
+    # pause could land the signal inside the runner's fork of the child, which is not what is tested.
+    while not subprocess.run(["pgrep", "-f", "^sleep 117.25$"], capture_output=True).stdout.strip():
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.1)
     runner.send_signal(sig)
     runner.wait(timeout=30)
     assert not any(n.startswith(prefix) for n in _namespaces())
