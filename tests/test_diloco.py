@@ -63,13 +63,16 @@ def simulate(
     alpha: float = 0.5,
     steps_of: list[int] | None = None,
     by_contributors: bool = True,
+    merge: str = "mix",
 ) -> tuple[list[nn.Module], dict[str, torch.Tensor]]:
     """All replicas in one process, one tensor per parameter: Streaming DiLoCo as the papers state it.
 
     ``batch(r, t)`` is replica r's (x, y) at inner step t (0-based). Returns the replicas and theta_global.
     ``steps_of[r]``: replica r trains that many steps only (uneven inputs, ``outer.join()``): an exchange
     averages the replicas that trained since the fragment's previous exchange, and the run ends after F
-    exchanges in a row that started with every replica out of data.
+    exchanges in a row that started with every replica out of data. ``merge="keep_inner_steps"``: at
+    landing each replica's fragment becomes the new theta_global plus what it moved since the exchange
+    started (its parameters at the start are copied then).
     """
     steps_of = steps_of or [steps] * len(models)
     inners = [inner(m.parameters()) for m in models]
@@ -95,9 +98,10 @@ def simulate(
             total = sum(weights) if by_contributors else len(models)
             mean = {n: sum(w * (theta[n].detach() - lp[n].detach()) for w, lp in zip(weights, local)) for n in names}
             grads = {n: v / total for n, v in mean.items() if fragment_of[n] == p} if sum(weights) else None
-            in_flight = (p, t, grads, active)
+            at_start = [{n: lp[n].detach().clone() for n in names if fragment_of[n] == p} for lp in local]
+            in_flight = (p, t, grads, active, at_start)
         if in_flight is not None and t == in_flight[1] + delay:
-            p, _, grads, active = in_flight
+            p, _, grads, active, at_start = in_flight
             quiet = 0 if active else quiet + 1
             in_flight = None
             if grads is None:
@@ -106,11 +110,16 @@ def simulate(
                 theta[n].grad = g
             outer_opt.step()
             with torch.no_grad():
-                for model in models:
+                for r, model in enumerate(models):
                     for n, param in model.named_parameters():
-                        if n in grads:
-                            new = theta[n] if delay == 0 else alpha * param + (1 - alpha) * theta[n]
-                            param.copy_(new)
+                        if n not in grads:
+                            continue
+                        if delay == 0:
+                            param.copy_(theta[n])
+                        elif merge == "keep_inner_steps":
+                            param.copy_(theta[n] + (param - at_start[r][n]))
+                        else:
+                            param.copy_(alpha * param + (1 - alpha) * theta[n])
             for n in grads:
                 theta[n].grad = None
     return models, {n: v.detach() for n, v in theta.items()}

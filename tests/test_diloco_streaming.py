@@ -30,11 +30,15 @@ pytestmark = pytest.mark.timeout(90)
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
 
-def _against_simulation(H: int, F: int, delay: int, alpha: float, sim_alpha: float) -> float:
+def _against_simulation(
+    H: int, F: int, delay: int, alpha: float, sim_alpha: float, merge: str = "mix", sim_merge: str = "mix"
+) -> float:
     rank, world = rank_world()
     model = make_model("mlp")
     replicas = [copy.deepcopy(model) for _ in range(world)]
-    outer = diloco.DiLoCo(model, ADAMW(model.parameters()), sync_every=H, fragments=F, delay=delay, alpha=alpha)
+    outer = diloco.DiLoCo(
+        model, ADAMW(model.parameters()), sync_every=H, fragments=F, delay=delay, alpha=alpha, merge=merge
+    )
     steps = 3 * H + 1
     for t in range(steps):
         x, y = mlp_batch(world, rank, t)
@@ -43,7 +47,7 @@ def _against_simulation(H: int, F: int, delay: int, alpha: float, sim_alpha: flo
         outer.step()
     outer.close()
     batch = functools.partial(mlp_batch, world)
-    simulated, theta = simulate(replicas, ADAMW, diloco.nesterov, batch, steps, H, F, delay, sim_alpha)
+    simulated, theta = simulate(replicas, ADAMW, diloco.nesterov, batch, steps, H, F, delay, sim_alpha, merge=sim_merge)
     flat_theta = torch.cat([theta[n].reshape(-1) for n in sorted(theta, key=list(theta).index)])
     ours = torch.cat([p.detach().reshape(-1) for p in outer.global_parameters])
     # theta_global is laid out by fragment; compare it parameter by parameter through the fragments' names
@@ -64,6 +68,17 @@ def test_streaming_diloco_equals_the_naive_simulation(H: int, F: int, delay: int
 def test_the_merge_is_checked_negative_control() -> None:
     """The simulation without the merge (alpha = 1: keep the local parameters) is far from DiLoCo's."""
     assert min(run_distributed(_against_simulation, 2, 4, 2, 1, 0.5, 1.0, timeout_s=30)) > 1e-3
+
+
+@pytest.mark.parametrize("H,F,delay", [(4, 2, 1), (6, 2, 2), (6, 3, 1)])
+def test_the_merge_that_keeps_the_inner_steps_equals_the_simulation(H: int, F: int, delay: int) -> None:
+    """merge="keep_inner_steps": the new theta_global plus the steps taken in flight, the simulation
+    copying each replica's fragment when its exchange starts (DiLoCo derives it from what it sent)."""
+    args = (H, F, delay, 0.5, 0.5, "keep_inner_steps")
+    for difference in run_distributed(_against_simulation, 2, *args, "keep_inner_steps", timeout_s=30):
+        assert difference <= 1e-5, difference
+    # negative control: the paper's merge in the simulation is far from it
+    assert min(run_distributed(_against_simulation, 2, *args, "mix", timeout_s=30)) > 1e-3
 
 
 def _touches(H: int, F: int) -> dict:
@@ -172,11 +187,13 @@ def test_bytes_on_the_wire_per_inner_step(world: int) -> None:
         assert r["peak"] <= r["model_bytes"] / 2 / 4 + scale_bytes, r
 
 
-def _train_and_save(H: int, F: int, delay: int, wire: str, stop: int, total: int, load: bool) -> list[torch.Tensor]:
+def _train_and_save(
+    H: int, F: int, delay: int, wire: str, stop: int, total: int, load: bool, merge: str = "mix"
+) -> list[torch.Tensor]:
     rank, world = rank_world()
     model = make_model("mlp")
     inner = ADAMW(model.parameters())
-    outer = diloco.DiLoCo(model, inner, sync_every=H, fragments=F, delay=delay, wire=wire)
+    outer = diloco.DiLoCo(model, inner, sync_every=H, fragments=F, delay=delay, wire=wire, merge=merge)
 
     def train(steps: range) -> None:
         for t in steps:
@@ -191,7 +208,7 @@ def _train_and_save(H: int, F: int, delay: int, wire: str, stop: int, total: int
         outer.close()
         model = make_model("mlp", seed=123)  # other weights: everything must come from the checkpoint
         inner = ADAMW(model.parameters())
-        outer = diloco.DiLoCo(model, inner, sync_every=H, fragments=F, delay=delay, wire=wire)
+        outer = diloco.DiLoCo(model, inner, sync_every=H, fragments=F, delay=delay, wire=wire, merge=merge)
         model.load_state_dict(saved["model"])
         inner.load_state_dict(saved["inner"])
         if load:
@@ -201,15 +218,16 @@ def _train_and_save(H: int, F: int, delay: int, wire: str, stop: int, total: int
     return [p.detach().clone() for p in list(model.parameters()) + outer.global_parameters]
 
 
-def test_a_resumed_run_continues_bitwise() -> None:
+@pytest.mark.parametrize("merge", ["mix", "keep_inner_steps"])
+def test_a_resumed_run_continues_bitwise(merge: str) -> None:
     """Saved at step 6, while fragment 0's exchange (started after step 6, delay 1) is in flight."""
     args = (4, 2, 1, "int8")
-    whole = run_distributed(_train_and_save, 2, *args, 14, 14, True, timeout_s=30)
-    resumed = run_distributed(_train_and_save, 2, *args, 6, 14, True, timeout_s=30)
+    whole = run_distributed(_train_and_save, 2, *args, 14, 14, True, merge, timeout_s=30)
+    resumed = run_distributed(_train_and_save, 2, *args, 6, 14, True, merge, timeout_s=30)
     for a, b in zip(whole, resumed):
         assert all(torch.equal(p, q) for p, q in zip(a, b))
     # negative control: the same resume without DiLoCo's own state (theta_global, momentum, step) differs
-    fresh = run_distributed(_train_and_save, 2, *args, 6, 14, False, timeout_s=30)
+    fresh = run_distributed(_train_and_save, 2, *args, 6, 14, False, merge, timeout_s=30)
     assert not all(torch.equal(p, q) for p, q in zip(whole[0], fresh[0]))
 
 
@@ -292,6 +310,8 @@ def _misuse() -> list[str]:
     expect(TypeError, "comm hook", lambda: diloco.DiLoCo(model, sgd, 4, wire=allreduce_hook))
     expect(ValueError, "wire must be one of", lambda: diloco.DiLoCo(model, sgd, 4, wire="fp8"))
     expect(ValueError, "alpha", lambda: diloco.DiLoCo(model, sgd, 4, alpha=1.5))
+    expect(ValueError, "merge", lambda: diloco.DiLoCo(model, sgd, 4, delay=1, merge="average"))
+    expect(ValueError, "not used by merge", lambda: diloco.DiLoCo(model, sgd, 4, alpha=0.3, merge="keep_inner_steps"))
     expect(TypeError, "callable", lambda: diloco.DiLoCo(model, sgd, 4, outer_optimizer=0.7))
     other = make_model("mlp")
     expect(
@@ -315,7 +335,7 @@ def _misuse() -> list[str]:
 
 
 def test_misuse_raises_errors_that_name_the_fix() -> None:
-    assert len(run_distributed(_misuse, 2, timeout_s=30)[0]) == 13
+    assert len(run_distributed(_misuse, 2, timeout_s=30)[0]) == 15
 
 
 def _inner_steps_do_no_outer_work(H: int) -> list[int]:

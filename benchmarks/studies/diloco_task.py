@@ -24,7 +24,8 @@ lists DiLoCo's curves on rank 0's local parameters (what the first two reports o
 
 Contenders: gradsync DDP (every step all-reduced: 32 sequences per step), no communication (each
 replica alone: the floor of a step's time), DiLoCo H = 50 (outer Nesterov 0.7 / 0.9) in fp32 and in
-int8, Streaming DiLoCo H = 50, F = 2, delay 2, int8; with ``--contenders``, also Streaming with
+int8, Streaming DiLoCo H = 50, F = 2, delay 2, int8 with the paper's merge (alpha = 0.5) and with
+``merge="keep_inner_steps"``; with ``--contenders``, also Streaming with
 F = 2 and delay 0 or 2 in fp32 (to tell apart what the fragments, the delay and the wire cost).
 """
 
@@ -63,17 +64,19 @@ _spec.loader.exec_module(charlm)
 
 H = 50
 NO_COMMUNICATION = "no communication"
+STREAMING_KEEP = "Streaming H=50 F=2 delay 2 int8 keep_inner_steps"
 CONTENDERS: dict[str, dict[str, Any] | None] = {
     "DDP": None,
     NO_COMMUNICATION: {},
     "DiLoCo H=50 fp32": {"fragments": 1, "delay": 0, "wire": "fp32"},
     "DiLoCo H=50 int8": {"fragments": 1, "delay": 0, "wire": "int8"},
     "Streaming H=50 F=2 delay 2 int8": {"fragments": 2, "delay": 2, "wire": "int8"},
+    STREAMING_KEEP: {"fragments": 2, "delay": 2, "wire": "int8", "merge": "keep_inner_steps"},
     # Only with --contenders: what of Streaming's gap is the fragments, the delay, the wire.
     "Streaming H=50 F=2 delay 0 fp32": {"fragments": 2, "delay": 0, "wire": "fp32"},
     "Streaming H=50 F=2 delay 2 fp32": {"fragments": 2, "delay": 2, "wire": "fp32"},
 }
-DEFAULT_CONTENDERS = list(CONTENDERS)[:5]
+DEFAULT_CONTENDERS = list(CONTENDERS)[:6]
 
 
 def replica_average(model: torch.nn.Module) -> torch.nn.Module:
@@ -252,6 +255,7 @@ def write_report(runs: dict[int, dict[str, dict[str, Any]]], args: argparse.Name
                 f"{'-' if floor is None else format(r['median_step_ms'] / floor, '.2f')} | "
                 f"{r['bytes_per_step']:.0f} |"
             )
+    lines += criteria_lines(runs)
     lines += ["", "Validation loss at each evaluation (step: loss), first seed:", ""]
     first = next(iter(runs.values()))
     for name, r in first.items():
@@ -265,6 +269,37 @@ def write_report(runs: dict[int, dict[str, dict[str, Any]]], args: argparse.Name
     _chart(runs, chart)
     print(path.read_text())
     print(f"report: {path}")
+
+
+# The issue's equal-step bounds: (contender, reference, bound on contender / reference - 1).
+CRITERIA = [
+    ("DiLoCo H=50 fp32", "DDP", 0.03),
+    ("DiLoCo H=50 int8", "DiLoCo H=50 fp32", 0.005),
+    ("Streaming H=50 F=2 delay 2 int8", "DiLoCo H=50 int8", 0.01),
+    (STREAMING_KEEP, "DiLoCo H=50 int8", 0.01),
+]
+
+
+def criteria_lines(runs: dict[int, dict[str, dict[str, Any]]]) -> list[str]:
+    """Final validation loss of each contender over its reference, per seed, with the bound it is held to."""
+    lines = [
+        "",
+        "Final validation loss over the reference's, at equal inner steps (the issue's bounds):",
+        "",
+        "| contender | reference | bound | " + " | ".join(f"seed {s}" for s in runs) + " | worst | met |",
+        "|---|---|---:|" + "---:|" * len(runs) + "---:|---|",
+    ]
+    for name, reference, bound in CRITERIA:
+        if not all(name in r and reference in r for r in runs.values()):
+            continue
+        ratios = [r[name]["curve"][-1][2] / r[reference]["curve"][-1][2] for r in runs.values()]
+        cells = " | ".join(f"{x:.4f}" for x in ratios)
+        worst = max(ratios)
+        lines.append(
+            f"| {name} | {reference} | <= {1 + bound:.3f} | {cells} | {worst:.4f} | "
+            f"{'yes' if worst <= 1 + bound else 'no'} |"
+        )
+    return lines
 
 
 def _chart(runs: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:

@@ -61,9 +61,22 @@ def check_inner_optimizer(model: nn.Module, inner: Any) -> None:
         )
 
 
-def check_knobs(alpha: float, outer_optimizer: Callable[..., Any] | None) -> None:
+MERGES = ("mix", "keep_inner_steps")
+
+
+def check_knobs(alpha: float, merge: str, outer_optimizer: Callable[..., Any] | None) -> None:
     if not 0.0 <= float(alpha) <= 1.0:
         raise ValueError(f"alpha must be in [0, 1] (theta <- alpha * local + (1 - alpha) * global), got {alpha!r}.")
+    if merge not in MERGES:
+        raise ValueError(
+            f"merge must be one of {MERGES} (how a fragment that lands after `delay` inner steps is merged into "
+            f"the local parameters; docs/diloco.md), got {merge!r}."
+        )
+    if merge == "keep_inner_steps" and float(alpha) != 0.5:
+        raise ValueError(
+            f"alpha={alpha!r} is not used by merge='keep_inner_steps' (it adds the inner steps taken during the "
+            "exchange to the new theta_global); pass one of them."
+        )
     if outer_optimizer is not None and not callable(outer_optimizer):
         raise TypeError(
             "outer_optimizer must be a callable that takes the outer parameters and returns a torch.optim "

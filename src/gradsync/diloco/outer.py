@@ -9,10 +9,12 @@ with that average as its gradient; the new ``theta_global`` becomes every replic
 The inner optimizer's state stays per replica (the paper found syncing it gains nothing). With
 ``fragments = F`` the layers are split into ``F`` fragments synced at staggered steps
 (fragments.py); with ``delay = tau`` a fragment's exchange runs on a thread while ``tau`` more
-inner steps are taken, and the local parameters are then merged,
-``theta_local <- alpha * theta_local + (1 - alpha) * theta_global`` (with ``delay = 0`` they are
-replaced: ``alpha`` is not used). ``LocalSGD`` is the special case of outer SGD with lr 1 and no
-momentum: ``theta_global - mean(delta_i) = mean(theta_local_i)``, parameter averaging.
+inner steps are taken, and the local parameters are then merged: by default as the paper does,
+``theta_local <- alpha * theta_local + (1 - alpha) * theta_global``, or with
+``merge="keep_inner_steps"`` as the new ``theta_global`` plus the ``tau`` inner steps
+([Note: the merge that keeps the inner steps]); with ``delay = 0`` they are replaced. ``LocalSGD``
+is the special case of outer SGD with lr 1 and no momentum:
+``theta_global - mean(delta_i) = mean(theta_local_i)``, parameter averaging.
 
 Between outer steps ``DiLoCo.step()`` is the inner optimizer's step and one integer comparison:
 fragments, flat copies and collectives are touched only at the steps the schedule names.
@@ -58,6 +60,7 @@ class _InFlight(NamedTuple):
     fragment: int
     started: int  # the inner step after which its exchange started
     average: Future[Averaged]
+    sent: torch.Tensor | None  # this replica's outer gradient as it started (merge="keep_inner_steps")
 
 
 class DiLoCo:
@@ -81,16 +84,19 @@ class DiLoCo:
         alpha: float = 0.5,
         wire: str = "fp32",
         group: dist.ProcessGroup | None = None,
+        *,
+        merge: str = "mix",
     ) -> None:
         checks.check_model(model)
         checks.check_inner_optimizer(model, inner_optimizer)
-        checks.check_knobs(alpha, outer_optimizer)
+        checks.check_knobs(alpha, merge, outer_optimizer)
         self.schedule = Schedule.checked(sync_every, fragments, delay)
         self.wire_format = wire_format(wire)
         self.island = model if isinstance(model, DataParallelWrapper) else None
         self.module: nn.Module = model.module if self.island is not None else model
         self.inner = inner_optimizer
         self.alpha = float(alpha)
+        self.merge = merge
         self.topology = _topology(self.island, group, own_groups=delay > 0)
         # Every replica starts from the same point: outer rank 0's parameters and buffers.
         start = list(self.module.parameters()) + list(self.module.buffers())
@@ -102,7 +108,8 @@ class DiLoCo:
         ]
         self.outer_optimizer = (outer_optimizer or nesterov)([f.theta for f in self.fragments])
         checks.check_outer_optimizer(self.outer_optimizer)
-        agreed = {**self._description(), "alpha": self.alpha, "outer": type(self.outer_optimizer).__name__}
+        agreed = {**self._description(), "alpha": self.alpha, "merge": merge}
+        agreed["outer"] = type(self.outer_optimizer).__name__
         agreed["sizes"] = [(f.numel, str(f.theta.dtype)) for f in self.fragments]
         groups = [self.topology.outer] + ([self.topology.island] if self.topology.island is not None else [])
         checks.check_replicas_agree(agreed, groups)
@@ -165,13 +172,14 @@ class DiLoCo:
             with torch.profiler.record_function("gradsync::diloco_start_exchange"):
                 delta = self.fragments[starting].outer_gradient()
                 flags = None if self._uneven is None else self._uneven.flags(step)
-                self._in_flight = _InFlight(starting, step, self.exchange.start(delta, flags))
+                self._in_flight = _InFlight(starting, step, self.exchange.start(delta, flags), delta)
         landing = self.schedule.landing_after(step)
         if landing is not None:
             with torch.profiler.record_function("gradsync::diloco_outer_step"):
+                sent = self._in_flight.sent if self._in_flight is not None else None
                 averaged = self._wait()
                 if averaged.values is not None:
-                    self._outer_step(landing, averaged.values)
+                    self._outer_step(landing, averaged.values, sent)
                 if self._uneven is not None:
                     self._uneven.landed(averaged.active)
 
@@ -192,8 +200,9 @@ class DiLoCo:
             self._in_flight = None
 
     @torch.no_grad()
-    def _outer_step(self, index: int, average: torch.Tensor) -> None:
+    def _outer_step(self, index: int, average: torch.Tensor, sent: torch.Tensor | None) -> None:
         fragment = self.fragments[index]
+        before = fragment.theta.detach().clone() if self.merge == "keep_inner_steps" else None
         fragment.theta.grad = average.to(fragment.theta.dtype)
         try:
             self.outer_optimizer.step()  # only this fragment has a .grad: the others are skipped
@@ -201,8 +210,11 @@ class DiLoCo:
             fragment.theta.grad = None
         if self.schedule.delay == 0:
             fragment.write(fragment.theta.detach())
+        elif before is not None:
+            assert sent is not None, "merge='keep_inner_steps' lost the outer gradient it sent"
+            fragment.keep_inner_steps(sent, before)
         else:
-            fragment.merge(self.alpha)
+            fragment.mix(self.alpha)
         logger.debug("outer step of fragment %d after inner step %d", index, self.step_count)
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -224,12 +236,18 @@ class DiLoCo:
         """
         in_flight = None
         if self._in_flight is not None:
-            fragment, started = self._in_flight.fragment, self._in_flight.started
+            fragment, started, _, sent = self._in_flight
             averaged = self._wait()
-            self._in_flight = _InFlight(fragment, started, _done(averaged))
+            self._in_flight = _InFlight(fragment, started, _done(averaged), sent)
             self.exchange.count.in_flight += 1  # _wait counted it finished; it lands later
             values = None if averaged.values is None else averaged.values.clone()
-            in_flight = {"fragment": fragment, "started": started, "average": values, "active": averaged.active}
+            in_flight = {
+                "fragment": fragment,
+                "started": started,
+                "average": values,
+                "active": averaged.active,
+                "sent": None if sent is None else sent.clone(),
+            }
         return {
             "step": self.step_count,
             "global_parameters": [f.theta.detach().clone() for f in self.fragments],
@@ -259,7 +277,15 @@ class DiLoCo:
         if saved is not None:
             values = None if saved["average"] is None else saved["average"].clone()
             averaged = Averaged(values, saved["active"])
-            self._in_flight = _InFlight(saved["fragment"], saved["started"], _done(averaged))
+            sent = saved.get("sent")  # absent from checkpoints made before merge="keep_inner_steps"
+            if sent is None and self.merge == "keep_inner_steps":
+                raise ValueError(
+                    f"This DiLoCo checkpoint (rank {dist.get_rank()}) has an exchange in flight but not the outer "
+                    "gradient merge='keep_inner_steps' needs at landing: it was saved by an older gradsync; resume "
+                    "it with merge='mix'."
+                )
+            sent = None if sent is None else sent.clone()
+            self._in_flight = _InFlight(saved["fragment"], saved["started"], _done(averaged), sent)
             self.exchange.count.in_flight += 1
 
     def close(self) -> None:
@@ -284,8 +310,12 @@ class LocalSGD(DiLoCo):
         alpha: float = 0.5,
         wire: str = "fp32",
         group: dist.ProcessGroup | None = None,
+        *,
+        merge: str = "mix",
     ) -> None:
-        super().__init__(model, inner_optimizer, sync_every, averaging, fragments, delay, alpha, wire, group)
+        super().__init__(
+            model, inner_optimizer, sync_every, averaging, fragments, delay, alpha, wire, group, merge=merge
+        )
 
 
 def _topology(

@@ -64,6 +64,17 @@ class Fragment:
             param.copy_(values.view_as(param))
 
     @torch.no_grad()
-    def merge(self, alpha: float) -> None:
-        """``theta_local <- alpha * theta_local + (1 - alpha) * theta_global`` (Streaming DiLoCo)."""
+    def mix(self, alpha: float) -> None:
+        """``theta_local <- alpha * theta_local + (1 - alpha) * theta_global`` (Streaming DiLoCo's merge)."""
         self.write(torch.lerp(self.theta.detach(), self.local(), alpha))
+
+    @torch.no_grad()
+    def keep_inner_steps(self, sent: torch.Tensor, before: torch.Tensor) -> None:
+        """``theta_local <- theta_global + (theta_local - theta_local_at_start)``: the new global copy plus the
+        inner steps taken while the exchange was in flight ([Note: the merge that keeps the inner steps]).
+
+        ``sent`` is this replica's outer gradient as it started, ``before`` the global copy it was taken
+        from: ``before - sent`` is the local fragment when the exchange started.
+        """
+        at_start = before - sent
+        self.write(self.theta.detach() + (self.local() - at_start))
