@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=1)
     parser.add_argument("--delay", type=int, default=0)
     parser.add_argument("--alpha", type=float, default=0.5)
+    parser.add_argument("--merge", choices=["mix", "keep_inner_steps"], default="mix", help="with --delay")
     parser.add_argument("--wire", choices=["fp32", "bf16", "int8"], default="fp32")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--island-size", type=int, default=1, help="processes per island (DDP inside, DiLoCo across)")
@@ -144,6 +145,7 @@ def main() -> None:
             trained = DDP(model, process_group=groups[rank // args.island_size])
         inner = torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
         knobs = {"fragments": args.fragments, "delay": args.delay, "alpha": args.alpha, "wire": args.wire}
+        knobs["merge"] = args.merge
         if args.mode == "local":
             stepper = gradsync.diloco.LocalSGD(trained, inner, sync_every=args.sync_every, **knobs)
         else:
