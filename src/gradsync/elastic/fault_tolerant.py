@@ -18,7 +18,6 @@ raised.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from ..observability.divergence import fingerprint
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import commit, heal, hook_state, membership, settle
+from .reconfiguration import Reconfiguration
 from .run import ElasticRun, current
 from .sharded_state import ShardedState, lost_shards_error
 from .step_decision import StepDecider
@@ -86,8 +86,17 @@ class FaultTolerant:
         self._sharded: ShardedState | None = optimizer if hasattr(optimizer, "describe_lost_shards") else None
         self._step = 0
         self.decider = StepDecider(self.run)  # the vote, settling, and waiting on the group (step_decision.py)
+        self.membership = Reconfiguration(
+            self.run,
+            "gradsync.elastic",
+            lambda generation, aborted: self._open_and_heal(generation, reset_hook_memory=aborted),
+            committed_step=lambda: self._step,
+            describe=lambda: {"step": self._step},
+            after=self._reconfigured,
+            check=self._check_no_shard_lost,
+        )
         if self.run.joining:
-            self._join()
+            self.membership.join()
         else:
             layout = [ddp.engine.layout()]
             dist.broadcast_object_list(layout, src=0)  # one layout for all ([Note: a joiner's buckets])
@@ -216,40 +225,25 @@ class FaultTolerant:
         run.history.append(entry)
         self.ddp.engine.tolerance.drop_step()
         self.decider.forget_vote()
-        self._rejoin()
+        self.membership.rejoin()
 
     # ------------------------------------------------------------------ membership changes
     def _reconfigure(self, candidates: list[str], healthy: list[str], reason: str, aborted: bool) -> bool:
-        """Form the next generation from ``candidates`` and heal it; False if this process is not in it."""
-        started = time.monotonic()
-        number = self.run.generation.number + 1
-        while True:
-            generation = membership.form(
-                self.run.store,
-                self.run.keys,
-                number,
-                candidates,
-                healthy,
-                self._step,
-                self.run.uuid,
-                self.run.heartbeat,
-                self.run.timeout_s,
-            )
-            if self.run.uuid not in generation.members:
-                logger.warning("gradsync.elastic: left out of generation %d; joining again", number)
-                self._rejoin()
-                return False
-            if self._sharded is not None and aborted:
-                raise lost_shards_error(self._sharded, candidates, generation, reason, self.rank, self._step)
-            self.run.check_enough(candidates, generation)
-            try:
-                self._open_and_heal(generation, reset_hook_memory=aborted)
-                break
-            except RuntimeError as error:  # a member died while the group opened or the state moved
-                logger.warning("gradsync.elastic: generation %d failed to form (%s); retrying", number, error)
-                candidates, healthy, number = generation.members, generation.healthy, generation.number + 1
-        self._record(reason, candidates, started)
-        return True
+        """Form the next generation from ``candidates`` and heal it; False if this process was left out of
+        it (it has then joined again and been healed)."""
+        if self.membership.change(candidates, healthy, reason, aborted):
+            return True
+        self.membership.rejoin()
+        return False
+
+    def _reconfigured(self) -> None:
+        if self.on_reconfigure is not None:
+            self.on_reconfigure(dist.get_rank(), dist.get_world_size(), self._step)
+
+    def _check_no_shard_lost(self, candidates: list[str], generation: membership.Generation, reason: str,
+                             aborted: bool) -> None:  # fmt: skip
+        if self._sharded is not None and aborted:
+            raise lost_shards_error(self._sharded, candidates, generation, reason, self.rank, self._step)
 
     def _open_and_heal(self, generation: membership.Generation, reset_hook_memory: bool) -> None:
         membership.open_group(self.run.store, self.run.keys, generation, self.run.uuid, self.run.timeout_s)
@@ -323,38 +317,3 @@ class FaultTolerant:
         if isinstance(self.divisor, int):
             engine.divisor.fixed = float(self.divisor)
             engine.divisor.reset()
-
-    def _join(self) -> None:
-        """Wait until the members admit this process, then form the generation with them and heal."""
-        started = time.monotonic()
-        generation = self.run.await_admission()
-        if generation is None:
-            self._rejoin()
-            return
-        try:
-            self._open_and_heal(generation, reset_hook_memory=False)
-        except RuntimeError as error:
-            logger.warning("gradsync.elastic: healing in generation %d failed (%s); retrying", generation.number, error)
-            self.run.generation = generation
-            self._reconfigure(generation.members, generation.healthy, "a heal failed", False)
-            return
-        self._record("joined and healed", generation.members, started)
-
-    def _rejoin(self) -> None:
-        self.run.start_over()
-        self._join()
-
-    def _record(self, reason: str, candidates: list[str], started: float) -> None:
-        generation = self.run.generation
-        entry = {
-            "generation": generation.number,
-            "reason": reason,
-            "world_size": len(generation.members),
-            "left_out": [c for c in candidates if c not in generation.members],
-            "step": self._step,
-            "seconds": time.monotonic() - started,
-        }
-        self.run.history.append(entry)
-        logger.info("gradsync.elastic: %s", entry)
-        if self.on_reconfigure is not None:
-            self.on_reconfigure(dist.get_rank(), dist.get_world_size(), self._step)

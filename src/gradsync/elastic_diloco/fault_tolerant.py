@@ -28,7 +28,6 @@ state (observability/divergence.py); a difference raises.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +40,7 @@ from ..diloco.exchange import WireCount
 from ..diloco.outer import DiLoCo, OuterOptimizerFactory
 from ..elastic import heal, membership
 from ..elastic.fault_tolerant import HealMismatch
+from ..elastic.reconfiguration import Reconfiguration
 from ..elastic.run import ElasticRun, current
 from ..elastic.step_decision import StepDecider
 from ..observability.divergence import fingerprint
@@ -90,17 +90,25 @@ class FaultTolerantDiLoCo:
         self.outer_steps = 0  # committed outer steps (one fragment's each)
         self.contributors: list[str] = []  # the replicas (uuids, in rank order) the last outer step averaged
         self.decider = StepDecider(self.run)
+        self.membership = Reconfiguration(
+            self.run,
+            "gradsync.elastic_diloco",
+            lambda generation, aborted: self._open_and_heal(generation),
+            committed_step=lambda: self.outer_steps,
+            describe=lambda: {"outer_steps": self.outer_steps, "inner_step": self.outer.step_count},
+            after=self._reconfigured,
+        )
         self.exchange = CommittedExchange(
             self.decider,
             self.outer.wire_format,
             lambda: self.outer_steps,
             self._arrivals_known,
-            lambda reason: self._reconfigure(self.run.generation.members, self.run.generation.members, reason),
+            lambda reason: self.membership.change(self.run.generation.members, self.run.generation.members, reason),
         )
         self.outer.exchange = self.exchange  # DiLoCo averages through it from now on
         self._rewire()
         if self.run.joining:
-            self._join()
+            self.membership.join()
 
     # ------------------------------------------------------------------ the training loop's calls
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -161,10 +169,10 @@ class FaultTolerantDiLoCo:
             run.history.append({"generation": run.generation.number, "reason": f"revoked: {outcome.revoked}",
                                 "revoked": self.outer_steps - 1})  # fmt: skip
             self.decider.forget_vote()
-            self._rejoin()
+            self.membership.rejoin()
             return
         if outcome.left_out:
-            self._rejoin()
+            self.membership.rejoin()
             return
         decision = outcome.decision
         assert decision is not None
@@ -177,38 +185,20 @@ class FaultTolerantDiLoCo:
             for joiner in decision.admit:
                 run.store.set(run.keys.admitted(joiner), str(generation.number + 1))
             reason = f"admitting {len(decision.admit)} joiner(s)"
-            if not self._reconfigure(generation.members + decision.admit, generation.members, reason):
-                self._rejoin()
+            if not self.membership.change(generation.members + decision.admit, generation.members, reason):
+                self.membership.rejoin()
         elif not outcome.by_vote:  # settled: the vote failed somewhere, so this generation's group is broken
-            if not self._reconfigure(generation.members, generation.members, "the commit vote failed"):
-                self._rejoin()
+            if not self.membership.change(generation.members, generation.members, "the commit vote failed"):
+                self.membership.rejoin()
         self.decider.wait_for_a_silent_store()
 
     def _arrivals_known(self) -> int:
         return max(self.run.heartbeat.arrivals_known, self.run.arrivals_seen)
 
     # ------------------------------------------------------------------ membership changes
-    def _reconfigure(self, candidates: list[str], healthy: list[str], reason: str) -> bool:
-        """Form the next generation from ``candidates`` and heal it; False if this process is not in it."""
-        started = time.monotonic()
-        number = self.run.generation.number + 1
-        while True:
-            generation = membership.form(
-                self.run.store, self.run.keys, number, candidates, healthy, self.outer_steps, self.run.uuid,
-                self.run.heartbeat, self.run.timeout_s,
-            )  # fmt: skip
-            if self.run.uuid not in generation.members:
-                logger.warning("gradsync.elastic_diloco: left out of generation %d; joining again", number)
-                return False
-            self.run.check_enough(candidates, generation)
-            try:
-                self._open_and_heal(generation)
-                break
-            except RuntimeError as error:  # a member died while the group opened or the state moved
-                logger.warning("gradsync.elastic_diloco: generation %d failed to form (%s); retrying", number, error)
-                candidates, healthy, number = generation.members, generation.healthy, generation.number + 1
-        self._record(reason, candidates, started)
-        return True
+    def _reconfigured(self) -> None:
+        if self.on_reconfigure is not None:
+            self.on_reconfigure(dist.get_rank(), dist.get_world_size(), self.outer.step_count)
 
     def _open_and_heal(self, generation: membership.Generation) -> None:
         run = self.run
@@ -265,43 +255,3 @@ class FaultTolerantDiLoCo:
         """DiLoCo's exchange over the current default group (the generation's)."""
         self.outer.topology = diloco_topology.replicas(None, own_groups=False)
         self.exchange.rebind(self.outer.topology)
-
-    def _join(self) -> None:
-        """Wait until the members admit this process at an outer step, then form the generation and heal."""
-        started = time.monotonic()
-        generation = self.run.await_admission()
-        if generation is None:
-            self._rejoin()
-            return
-        try:
-            self._open_and_heal(generation)
-        except RuntimeError as error:
-            logger.warning("gradsync.elastic_diloco: healing in generation %d failed (%s); retrying",
-                           generation.number, error)  # fmt: skip
-            self.run.generation = generation
-            if not self._reconfigure(generation.members, generation.healthy, "a heal failed"):
-                self._rejoin()
-            return
-        self._record("joined and healed", generation.members, started)
-
-    def _rejoin(self) -> None:
-        self.run.start_over()
-        self._join()
-
-    def _record(self, reason: str, candidates: list[str], started: float) -> None:
-        generation = self.run.generation
-        entry = {
-            "generation": generation.number,
-            "reason": reason,
-            "world_size": len(generation.members),
-            "members": list(generation.members),
-            "left_out": [c for c in candidates if c not in generation.members],
-            "healed_from": generation.healthy[0] if len(generation.healthy) < len(generation.members) else None,
-            "outer_steps": self.outer_steps,
-            "inner_step": self.outer.step_count,
-            "seconds": time.monotonic() - started,
-        }
-        self.run.history.append(entry)
-        logger.info("gradsync.elastic_diloco: %s", entry)
-        if self.on_reconfigure is not None:
-            self.on_reconfigure(dist.get_rank(), dist.get_world_size(), self.outer.step_count)
