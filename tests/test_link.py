@@ -84,7 +84,19 @@ def test_namespace_is_shaped_and_removed_even_on_error() -> None:
 def test_an_interrupted_run_removes_its_namespace_and_its_processes(sig: signal.Signals) -> None:
     # An unusual duration, so that no other ``sleep`` on the machine is taken for the child.
     code = "from benchmarks.lib import link; link.run_inside('1gbit', ['sleep', '117.25'])"
-    runner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    # A shell's background job (`make test &`) starts with SIGINT ignored, and Python then never turns
+    # SIGINT into KeyboardInterrupt: the runner gets the default disposition, as a terminal gives it.
+    runner = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
+    try:
+        _interrupt_and_check(runner, sig)
+    finally:  # a failed case must not leave its child to the next one
+        runner.kill()
+        subprocess.run(["pkill", "-f", "^sleep 117.25$"], capture_output=True)
+
+
+def _interrupt_and_check(runner: subprocess.Popen, sig: signal.Signals) -> None:
     prefix = f"gs-bench-{runner.pid}-"
     deadline = time.monotonic() + 20
     while not any(n.startswith(prefix) for n in _namespaces()):
