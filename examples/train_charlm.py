@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/train_charlm.py --mode ddp
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/train_charlm.py --mode diloco --sync-every 50
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/train_charlm.py --mode diloco \\
-        --sync-every 50 --fragments 2 --delay 2 --wire int8            # Streaming DiLoCo, int8 outer gradients
+        --sync-every 50 --fragments 2 --delay 2 --wire int8 --error-feedback   # Streaming DiLoCo, int8 outer gradients
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_charlm.py --mode diloco \\
         --island-size 2                                                 # 2 islands of a 2-process DDP each
 
@@ -107,6 +107,9 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--merge", choices=["mix", "keep_inner_steps"], default="mix", help="with --delay")
     parser.add_argument("--wire", choices=["fp32", "bf16", "int8"], default="fp32")
+    parser.add_argument(
+        "--error-feedback", action="store_true", help="with --wire bf16/int8: what rounding removed goes with the next"
+    )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--island-size", type=int, default=1, help="processes per island (DDP inside, DiLoCo across)")
     parser.add_argument("--eval-every", type=int, default=100)
@@ -114,8 +117,10 @@ def main() -> None:
     parser.add_argument("--elastic", action="store_true", help="fault tolerant DiLoCo over gradsync.elastic")
     parser.add_argument("--replica", type=int, default=0, help="with --elastic: this replica's data slot")
     args = parser.parse_args()
-    if args.elastic and (args.mode != "diloco" or args.island_size > 1 or args.delay):
-        raise SystemExit("--elastic runs --mode diloco with plain replicas and --delay 0 (docs/diloco.md)")
+    if args.elastic and (args.mode != "diloco" or args.island_size > 1 or args.delay or args.error_feedback):
+        raise SystemExit(
+            "--elastic runs --mode diloco with plain replicas, --delay 0 and no --error-feedback (docs/diloco.md)"
+        )
 
     torch.set_num_threads(1)
     if args.elastic:
@@ -145,7 +150,7 @@ def main() -> None:
             trained = DDP(model, process_group=groups[rank // args.island_size])
         inner = torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
         knobs = {"fragments": args.fragments, "delay": args.delay, "alpha": args.alpha, "wire": args.wire}
-        knobs["merge"] = args.merge
+        knobs.update(merge=args.merge, error_feedback=args.error_feedback)
         if args.mode == "local":
             stepper = gradsync.diloco.LocalSGD(trained, inner, sync_every=args.sync_every, **knobs)
         else:

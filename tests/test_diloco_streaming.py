@@ -188,12 +188,22 @@ def test_bytes_on_the_wire_per_inner_step(world: int) -> None:
 
 
 def _train_and_save(
-    H: int, F: int, delay: int, wire: str, stop: int, total: int, load: bool, merge: str = "mix"
+    H: int,
+    F: int,
+    delay: int,
+    wire: str,
+    stop: int,
+    total: int,
+    load: bool,
+    merge: str = "mix",
+    error_feedback: bool = False,
+    drop_residuals: bool = False,
 ) -> list[torch.Tensor]:
     rank, world = rank_world()
     model = make_model("mlp")
     inner = ADAMW(model.parameters())
-    outer = diloco.DiLoCo(model, inner, sync_every=H, fragments=F, delay=delay, wire=wire, merge=merge)
+    knobs = {"fragments": F, "delay": delay, "wire": wire, "merge": merge, "error_feedback": error_feedback}
+    outer = diloco.DiLoCo(model, inner, sync_every=H, **knobs)
 
     def train(steps: range) -> None:
         for t in steps:
@@ -208,7 +218,12 @@ def _train_and_save(
         outer.close()
         model = make_model("mlp", seed=123)  # other weights: everything must come from the checkpoint
         inner = ADAMW(model.parameters())
-        outer = diloco.DiLoCo(model, inner, sync_every=H, fragments=F, delay=delay, wire=wire, merge=merge)
+        outer = diloco.DiLoCo(model, inner, sync_every=H, **knobs)
+        if drop_residuals:  # the negative control of error feedback's resume
+            saved["outer"]["error_feedback"] = [
+                {k: torch.zeros_like(v) for k, v in r.items()} for r in saved["outer"]["error_feedback"]
+            ]
+            saved["outer"]["in_flight"]["residuals"] = None
         model.load_state_dict(saved["model"])
         inner.load_state_dict(saved["inner"])
         if load:

@@ -26,7 +26,8 @@ Contenders: gradsync DDP (every step all-reduced: 32 sequences per step), no com
 replica alone: the floor of a step's time), DiLoCo H = 50 (outer Nesterov 0.7 / 0.9) in fp32 and in
 int8, Streaming DiLoCo H = 50, F = 2, delay 2, int8 with the paper's merge (alpha = 0.5) and with
 ``merge="keep_inner_steps"``; with ``--contenders``, also Streaming with
-F = 2 and delay 0 or 2 in fp32 (to tell apart what the fragments, the delay and the wire cost).
+F = 2 and delay 0 or 2 in fp32 (to tell apart what the fragments, the delay and the wire cost), and
+int8 DiLoCo and Streaming (keep_inner_steps) with ``error_feedback=True``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ CONTENDERS: dict[str, dict[str, Any] | None] = {
     # Only with --contenders: what of Streaming's gap is the fragments, the delay, the wire.
     "Streaming H=50 F=2 delay 0 fp32": {"fragments": 2, "delay": 0, "wire": "fp32"},
     "Streaming H=50 F=2 delay 2 fp32": {"fragments": 2, "delay": 2, "wire": "fp32"},
+    # Only with --contenders: int8 with error feedback ([Note: error feedback] in gradsync/diloco/error_feedback.py).
+    "DiLoCo H=50 int8 error_feedback": {"fragments": 1, "delay": 0, "wire": "int8", "error_feedback": True},
+    STREAMING_KEEP + " error_feedback": {
+        "fragments": 2,
+        "delay": 2,
+        "wire": "int8",
+        "merge": "keep_inner_steps",
+        "error_feedback": True,
+    },
 }
 DEFAULT_CONTENDERS = list(CONTENDERS)[:6]
 
@@ -277,6 +287,8 @@ CRITERIA = [
     ("DiLoCo H=50 int8", ["DiLoCo H=50 fp32"], 0.005),
     ("Streaming H=50 F=2 delay 2 int8", ["DiLoCo H=50 int8", "DiLoCo H=50 fp32"], 0.01),
     (STREAMING_KEEP, ["DiLoCo H=50 int8", "DiLoCo H=50 fp32"], 0.01),
+    ("DiLoCo H=50 int8 error_feedback", ["DiLoCo H=50 fp32"], 0.005),
+    (STREAMING_KEEP + " error_feedback", ["DiLoCo H=50 int8 error_feedback", "DiLoCo H=50 fp32"], 0.01),
 ]
 
 

@@ -85,6 +85,16 @@ def check_knobs(alpha: float, merge: str, outer_optimizer: Callable[..., Any] | 
         )
 
 
+def check_error_feedback(error_feedback: bool, wire: object) -> None:
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"error_feedback must be True or False, got {type(error_feedback).__name__}.")
+    if error_feedback and wire == "fp32":
+        raise ValueError(
+            "error_feedback=True keeps what a lossy wire's rounding removed and sends it with the next exchange; "
+            "wire='fp32' rounds nothing. Use it with wire='bf16' or 'int8', or leave it False."
+        )
+
+
 def check_outer_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"outer_optimizer(params) must return a torch.optim.Optimizer, got {type(optimizer).__name__}.")

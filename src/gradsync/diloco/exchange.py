@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..hooks.wire import all_reduce_bytes
+from .error_feedback import Residuals
 from .topology import Topology
 from .wire import WireFormat
 
@@ -38,6 +39,7 @@ from .wire import WireFormat
 class Averaged(NamedTuple):
     values: torch.Tensor | None  # the average over the contributors; None: nobody contributed
     active: int  # replicas still in their training loop (all of them outside outer.join())
+    residuals: Residuals | None = None  # with error feedback: this process's, to commit when applied
 
 
 class WireCount:
@@ -76,18 +78,24 @@ class OuterExchange:
         # One worker: exchanges are issued in the order they start, which is the same on every replica.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="gradsync-diloco") if overlap else None
 
-    def start(self, delta: torch.Tensor, flags: tuple[float, float] | None = None) -> Future[Averaged]:
+    def start(
+        self,
+        delta: torch.Tensor,
+        flags: tuple[float, float] | None = None,
+        residuals: Residuals | None = None,
+    ) -> Future[Averaged]:
         """Begin averaging ``delta`` (flat, the same length everywhere); the future holds the average.
 
-        ``flags`` = (weight, active) inside ``outer.join()`` ([Note: joining at outer steps] in uneven.py).
+        ``flags`` = (weight, active) inside ``outer.join()`` ([Note: joining at outer steps] in uneven.py);
+        ``residuals``: this process's for the fragment, with error feedback ([Note: error feedback]).
         """
         self.count.in_flight += 1
         self.count.peak_in_flight = max(self.count.peak_in_flight, self.count.in_flight)
         if self._thread is not None:
-            return self._thread.submit(self.average, delta, flags)
+            return self._thread.submit(self.average, delta, flags, residuals)
         future: Future[Averaged] = Future()
         try:
-            future.set_result(self.average(delta, flags))
+            future.set_result(self.average(delta, flags, residuals))
         except Exception as error:  # noqa: BLE001 - handed to whoever waits, like the thread's
             future.set_exception(error)
         return future
@@ -95,35 +103,45 @@ class OuterExchange:
     def finished(self) -> None:
         self.count.in_flight -= 1
 
-    def average(self, delta: torch.Tensor, flags: tuple[float, float] | None = None) -> Averaged:
+    def average(
+        self,
+        delta: torch.Tensor,
+        flags: tuple[float, float] | None = None,
+        residuals: Residuals | None = None,
+    ) -> Averaged:
         t = self.topology
-        contributors, active = float(t.outer_size), t.outer_size
+        contributors, active, contributes = float(t.outer_size), t.outer_size, True
         if flags is not None:
             counts = torch.tensor(flags, dtype=torch.float32)
             self._collective(dist.all_reduce, counts, group=t.outer)
             self.count.sent_bytes += all_reduce_bytes(counts, t.outer_size)
             contributors, active = counts[0].item(), int(counts[1].item())
             if contributors == 0:
-                return Averaged(None, active)
+                return Averaged(None, active, residuals)
             if flags[0] == 0:
-                delta = torch.zeros_like(delta)
+                delta, contributes = torch.zeros_like(delta), False
         slices = torch.tensor_split(delta, t.island_size)
-        averaged = self._across(slices[t.island_rank], contributors)
+        averaged, residuals = self._across(slices[t.island_rank], contributors, residuals, contributes)
         self.count.exchanges += 1
         if t.island_size == 1:
-            return Averaged(averaged, active)
+            return Averaged(averaged, active, residuals)
         sizes = [s.numel() * 4 for s in slices]
         gathered = self._all_to_all(t.island, averaged.view(torch.uint8), sizes, island=True)
-        return Averaged(gathered.view(torch.float32), active)
+        return Averaged(gathered.view(torch.float32), active, residuals)
 
-    def _across(self, values: torch.Tensor, contributors: float) -> torch.Tensor:
+    def _across(
+        self, values: torch.Tensor, contributors: float, residuals: Residuals | None, contributes: bool
+    ) -> tuple[torch.Tensor, Residuals | None]:
         t, wire = self.topology, self.wire
-        if t.outer_size == 1:
-            return values.to(torch.float32).clone()
+        if t.outer_size == 1:  # nothing travels, nothing is rounded
+            return values.to(torch.float32).clone(), residuals
+        if residuals is not None and contributes:
+            values = values.to(torch.float32) + residuals.sent
         pieces = torch.tensor_split(values, t.outer_size)
         sizes = [wire.encoded_nbytes(p.numel()) for p in pieces]
         mine = pieces[t.outer_rank].numel()
-        encoded = torch.cat([wire.encode(p) for p in pieces])
+        parts = [wire.encode(p) for p in pieces]
+        encoded = torch.cat(parts)
         self.count.peak_in_flight_bytes = max(self.count.peak_in_flight_bytes, encoded.numel())
         received = torch.empty(sizes[t.outer_rank] * t.outer_size, dtype=torch.uint8)
         self._collective(
@@ -135,9 +153,35 @@ class OuterExchange:
             decoded = wire.decode(part, mine)
             total = decoded if total is None else total.add_(decoded)
         assert total is not None
-        own = wire.encode(total.div_(contributors))
+        mean = total.div_(contributors)
+        start = sum(p.numel() for p in pieces[: t.outer_rank])  # where this process's piece begins
+        if residuals is not None:
+            mean.add_(residuals.owned[start : start + mine])
+        own = wire.encode(mean)
+        if residuals is not None:
+            residuals = self._new_residuals(residuals, values, pieces, parts, mean, own, start, contributes)
         gathered = self._all_to_all(t.outer, own, sizes, island=False)
-        return torch.cat([wire.decode(part, p.numel()) for part, p in zip(gathered.split(sizes), pieces)])
+        return torch.cat([wire.decode(part, p.numel()) for part, p in zip(gathered.split(sizes), pieces)]), residuals
+
+    def _new_residuals(
+        self,
+        old: Residuals,
+        values: torch.Tensor,
+        pieces: tuple[torch.Tensor, ...],
+        parts: list[torch.Tensor],
+        mean: torch.Tensor,
+        own: torch.Tensor,
+        start: int,
+        contributes: bool,
+    ) -> Residuals:
+        """What this exchange's rounding removed, from what was compensated ([Note: error feedback])."""
+        wire = self.wire
+        sent = old.sent
+        if contributes:  # decode is a fixed function of the bytes: this is what the owners summed
+            sent = values - torch.cat([wire.decode(part, p.numel()) for part, p in zip(parts, pieces)])
+        owned = torch.zeros_like(old.owned)
+        owned[start : start + mean.numel()] = mean - wire.decode(own, mean.numel())
+        return Residuals(sent, owned)
 
     def _all_to_all(self, group: dist.ProcessGroup, own: torch.Tensor, sizes: list[int], island: bool) -> torch.Tensor:
         """All-gather of byte pieces of unequal sizes (``sizes[j]`` from rank ``j``) as one all-to-all."""

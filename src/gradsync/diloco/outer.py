@@ -37,6 +37,7 @@ from torch import nn
 from ..collectives.broadcast import broadcast_coalesced
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import checks, topology
+from .error_feedback import ErrorFeedback, Residuals, slice_length
 from .exchange import Averaged, OuterExchange, WireCount
 from .fragments import Schedule, strided
 from .outer_params import Fragment, layers_of
@@ -86,10 +87,12 @@ class DiLoCo:
         group: dist.ProcessGroup | None = None,
         *,
         merge: str = "mix",
+        error_feedback: bool = False,
     ) -> None:
         checks.check_model(model)
         checks.check_inner_optimizer(model, inner_optimizer)
         checks.check_knobs(alpha, merge, outer_optimizer)
+        checks.check_error_feedback(error_feedback, wire)
         self.schedule = Schedule.checked(sync_every, fragments, delay)
         self.wire_format = wire_format(wire)
         self.island = model if isinstance(model, DataParallelWrapper) else None
@@ -106,6 +109,12 @@ class DiLoCo:
         self.fragments = [
             Fragment(p, [layers[i] for i in idx]) for p, idx in enumerate(strided(len(layers), fragments))
         ]
+        t = self.topology
+        self.feedback = (  # [Note: error feedback] in error_feedback.py
+            ErrorFeedback([slice_length(f.numel, t.island_size, t.island_rank) for f in self.fragments])
+            if error_feedback
+            else None
+        )
         self.outer_optimizer = (outer_optimizer or nesterov)([f.theta for f in self.fragments])
         checks.check_outer_optimizer(self.outer_optimizer)
         agreed = {**self._description(), "alpha": self.alpha, "merge": merge}
@@ -172,7 +181,8 @@ class DiLoCo:
             with torch.profiler.record_function("gradsync::diloco_start_exchange"):
                 delta = self.fragments[starting].outer_gradient()
                 flags = None if self._uneven is None else self._uneven.flags(step)
-                self._in_flight = _InFlight(starting, step, self.exchange.start(delta, flags), delta)
+                residuals = None if self.feedback is None else self.feedback.of(starting)
+                self._in_flight = _InFlight(starting, step, self.exchange.start(delta, flags, residuals), delta)
         landing = self.schedule.landing_after(step)
         if landing is not None:
             with torch.profiler.record_function("gradsync::diloco_outer_step"):
@@ -180,6 +190,8 @@ class DiLoCo:
                 averaged = self._wait()
                 if averaged.values is not None:
                     self._outer_step(landing, averaged.values, sent)
+                if self.feedback is not None and averaged.residuals is not None:
+                    self.feedback.commit(landing, averaged.residuals)
                 if self._uneven is not None:
                     self._uneven.landed(averaged.active)
 
@@ -226,6 +238,7 @@ class DiLoCo:
             "delay": self.schedule.delay,
             "wire": self.wire_format.name,
             "fragment_parameters": [f.names for f in self.fragments],
+            "error_feedback": self.feedback is not None,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -247,6 +260,7 @@ class DiLoCo:
                 "average": values,
                 "active": averaged.active,
                 "sent": None if sent is None else sent.clone(),
+                "residuals": None if averaged.residuals is None else _cloned(averaged.residuals),
             }
         return {
             "step": self.step_count,
@@ -254,15 +268,17 @@ class DiLoCo:
             "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
             "schedule": self._description(),
             "in_flight": in_flight,
+            "error_feedback": None if self.feedback is None else self.feedback.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ours = self._description()
-        differ = sorted(k for k in ours if state["schedule"].get(k) != ours[k])
+        saved_schedule = {"error_feedback": False, **state["schedule"]}  # older checkpoints had no error feedback
+        differ = sorted(k for k in ours if saved_schedule.get(k) != ours[k])
         if differ:
             raise ValueError(
                 f"This DiLoCo checkpoint was saved with other {differ} (rank {dist.get_rank()}): saved "
-                f"{ {k: state['schedule'].get(k) for k in differ} }, here { {k: ours[k] for k in differ} }. Build "
+                f"{ {k: saved_schedule.get(k) for k in differ} }, here { {k: ours[k] for k in differ} }. Build "
                 "DiLoCo with the saved settings (and the same model) to resume."
             )
         if self._in_flight is not None:
@@ -273,10 +289,13 @@ class DiLoCo:
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.step_count = int(state["step"])
         self._next_event = self.schedule.next_event(self.step_count)
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state["error_feedback"], dist.get_rank())
         saved = state["in_flight"]
         if saved is not None:
             values = None if saved["average"] is None else saved["average"].clone()
-            averaged = Averaged(values, saved["active"])
+            residuals = saved.get("residuals")
+            averaged = Averaged(values, saved["active"], None if residuals is None else _cloned(residuals))
             sent = saved.get("sent")  # absent from checkpoints made before merge="keep_inner_steps"
             if sent is None and self.merge == "keep_inner_steps":
                 raise ValueError(
@@ -312,9 +331,20 @@ class LocalSGD(DiLoCo):
         group: dist.ProcessGroup | None = None,
         *,
         merge: str = "mix",
+        error_feedback: bool = False,
     ) -> None:
         super().__init__(
-            model, inner_optimizer, sync_every, averaging, fragments, delay, alpha, wire, group, merge=merge
+            model,
+            inner_optimizer,
+            sync_every,
+            averaging,
+            fragments,
+            delay,
+            alpha,
+            wire,
+            group,
+            merge=merge,
+            error_feedback=error_feedback,
         )
 
 
@@ -329,6 +359,10 @@ def _topology(
             "with a DistributedDataParallel model (its process group is the island)."
         )
     return topology.islands(island.process_group, own_groups)
+
+
+def _cloned(residuals: Residuals) -> Residuals:
+    return Residuals(residuals.sent.clone(), residuals.owned.clone())
 
 
 def _done(value: Averaged) -> Future[Averaged]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..diloco.error_feedback import Residuals
 from ..diloco.exchange import Averaged, OuterExchange, WireCount
 from ..diloco.topology import Topology
 from ..diloco.wire import WireFormat
@@ -71,7 +72,9 @@ class CommittedExchange:
         """Exchange over ``topology`` (the current generation's group) from now on."""
         self._current = OuterExchange(topology, self.wire, overlap=False, count=self.count, waiter=self.decider.wait)
 
-    def start(self, delta: torch.Tensor, flags: tuple[float, float] | None = None) -> Future[Averaged]:
+    def start(
+        self, delta: torch.Tensor, flags: tuple[float, float] | None = None, residuals: Residuals | None = None
+    ) -> Future[Averaged]:
         if flags is not None:
             raise RuntimeError(
                 "outer.join() (uneven inputs) is not supported by FaultTolerantDiLoCo: a replica whose data ends "
@@ -80,7 +83,7 @@ class CommittedExchange:
         self.count.in_flight += 1
         self.count.peak_in_flight = max(self.count.peak_in_flight, self.count.in_flight)
         future: Future[Averaged] = Future()
-        future.set_result(self._average(delta))
+        future.set_result(self._average(delta, residuals))
         return future
 
     def finished(self) -> None:
@@ -93,7 +96,7 @@ class CommittedExchange:
         outcome, self.outcome = self.outcome, None
         return outcome
 
-    def _average(self, delta: torch.Tensor) -> Averaged:
+    def _average(self, delta: torch.Tensor, residuals: Residuals | None) -> Averaged:
         """The average the current generation agreed on; values None when this process must join again."""
         retried_with_all_alive = False
         while True:
@@ -102,7 +105,8 @@ class CommittedExchange:
             failures: list[str] = []
             averaged = None
             try:
-                averaged = self._current.average(delta)
+                # a redo starts from the same residuals: they are committed only with the applied average
+                averaged = self._current.average(delta, None, residuals)
             except RuntimeError as error:
                 failures.append(f"the outer exchange failed: {error}")
                 self.abandoned.extend(self._current.works)
