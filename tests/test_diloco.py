@@ -130,6 +130,16 @@ def mlp_batch(world: int, r: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     return shard(x, r, world), shard(y, r, world)
 
 
+def train_replica(model: nn.Module, outer: diloco.DiLoCo, steps: range) -> None:
+    """This process's inner steps ``steps`` (0-based) on its shard of the mlp batches, through ``outer``."""
+    rank, world = rank_world()
+    for t in steps:
+        x, y = mlp_batch(world, rank, t)
+        outer.zero_grad()
+        loss_fn(model(x), y).backward()
+        outer.step()
+
+
 SGD = functools.partial(torch.optim.SGD, lr=0.05)
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync.diloco as diloco
-from test_diloco import mlp_batch, relative
+from test_diloco import mlp_batch, relative, train_replica
 from test_diloco_streaming import ADAMW, _train_and_save
 
 from harness import run_distributed
@@ -99,11 +99,7 @@ def _train(H: int, steps: int) -> dict:
     model = make_model("mlp")
     reference = copy.deepcopy(model)
     outer = diloco.DiLoCo(model, ADAMW(model.parameters()), sync_every=H, wire="int8", error_feedback=True)
-    for t in range(steps):
-        x, y = mlp_batch(world, rank, t)
-        outer.zero_grad()
-        loss_fn(model(x), y).backward()
-        outer.step()
+    train_replica(model, outer, range(steps))
     outer.close()
     theta = outer.global_parameters[0].detach().clone()
     gathered = [torch.empty_like(theta) for _ in range(world)]
@@ -147,14 +143,10 @@ def _join(H: int) -> dict:
     outer = diloco.DiLoCo(model, ADAMW(model.parameters()), sync_every=H, wire="int8", error_feedback=True)
     steps = 2 * H if rank == 1 else 4 * H  # replica 1's data ends after two rounds
     with outer.join():
-        for t in range(steps):
-            x, y = mlp_batch(world, rank, t)
-            outer.zero_grad()
-            loss_fn(model(x), y).backward()
-            outer.step()
-            if t == 2 * H - 1:  # replica 1's last step, and its last exchange as a contributor
-                last_sent = outer.feedback.of(0).sent.clone()
-                last_owned = outer.feedback.of(0).owned.clone()
+        train_replica(model, outer, range(2 * H))  # replica 1's steps, and its last exchange as a contributor
+        last_sent = outer.feedback.of(0).sent.clone()
+        last_owned = outer.feedback.of(0).owned.clone()
+        train_replica(model, outer, range(2 * H, steps))
     outer.close()
     theta = outer.global_parameters[0].detach().clone()
     gathered = [torch.empty_like(theta) for _ in range(world)]

@@ -20,7 +20,7 @@ import gradsync.diloco as diloco
 from gradsync import DistributedDataParallel as DDP
 from gradsync.hooks import AllReduceState, allreduce_hook
 from gradsync.zero import ShardedOptimizer
-from test_diloco import layer_index, mlp_batch, params_relative, relative, simulate
+from test_diloco import layer_index, mlp_batch, params_relative, relative, simulate, train_replica
 
 from harness import run_distributed
 from models import global_batch, loss_fn, make_model, rank_world, shard
@@ -40,11 +40,7 @@ def _against_simulation(
         model, ADAMW(model.parameters()), sync_every=H, fragments=F, delay=delay, alpha=alpha, merge=merge
     )
     steps = 3 * H + 1
-    for t in range(steps):
-        x, y = mlp_batch(world, rank, t)
-        outer.zero_grad()
-        loss_fn(model(x), y).backward()
-        outer.step()
+    train_replica(model, outer, range(steps))
     outer.close()
     batch = functools.partial(mlp_batch, world)
     simulated, theta = simulate(replicas, ADAMW, diloco.nesterov, batch, steps, H, F, delay, sim_alpha, merge=sim_merge)
@@ -199,20 +195,11 @@ def _train_and_save(
     error_feedback: bool = False,
     drop_residuals: bool = False,
 ) -> list[torch.Tensor]:
-    rank, world = rank_world()
     model = make_model("mlp")
     inner = ADAMW(model.parameters())
     knobs = {"fragments": F, "delay": delay, "wire": wire, "merge": merge, "error_feedback": error_feedback}
     outer = diloco.DiLoCo(model, inner, sync_every=H, **knobs)
-
-    def train(steps: range) -> None:
-        for t in steps:
-            x, y = mlp_batch(world, rank, t)
-            outer.zero_grad()
-            loss_fn(model(x), y).backward()
-            outer.step()
-
-    train(range(stop))
+    train_replica(model, outer, range(stop))
     if stop < total:
         saved = copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict(), "outer": outer.state_dict()})
         outer.close()
@@ -228,7 +215,7 @@ def _train_and_save(
         inner.load_state_dict(saved["inner"])
         if load:
             outer.load_state_dict(saved["outer"])
-        train(range(stop, total))
+        train_replica(model, outer, range(stop, total))
     outer.close()
     return [p.detach().clone() for p in list(model.parameters()) + outer.global_parameters]
 
