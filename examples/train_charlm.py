@@ -117,10 +117,8 @@ def main() -> None:
     parser.add_argument("--elastic", action="store_true", help="fault tolerant DiLoCo over gradsync.elastic")
     parser.add_argument("--replica", type=int, default=0, help="with --elastic: this replica's data slot")
     args = parser.parse_args()
-    if args.elastic and (args.mode != "diloco" or args.island_size > 1 or args.delay or args.error_feedback):
-        raise SystemExit(
-            "--elastic runs --mode diloco with plain replicas, --delay 0 and no --error-feedback (docs/diloco.md)"
-        )
+    if args.elastic and (args.mode != "diloco" or args.island_size > 1 or args.error_feedback):
+        raise SystemExit("--elastic runs --mode diloco with plain replicas and no --error-feedback (docs/diloco.md)")
 
     torch.set_num_threads(1)
     if args.elastic:
@@ -189,12 +187,13 @@ def elastic_main(args: argparse.Namespace, model: nn.Module, train: torch.Tensor
 
     outer = FaultTolerantDiLoCo(
         model, inner, args.sync_every, outer_optimizer=outer_optimizer, fragments=args.fragments, wire=args.wire,
+        delay=args.delay, alpha=args.alpha, merge=args.merge,
         on_reconfigure=lambda rank, world, step: print(f"replica {args.replica}: now rank {rank} of {world} at "
                                                        f"step {step}", flush=True),
     )  # fmt: skip
     generator = torch.Generator()
     start = time.perf_counter()
-    while outer.step_count < args.steps:
+    while outer.step_count < args.steps or outer.exchange_in_flight:  # end at a landing: keep the last fragment
         step = outer.step_count + 1
         generator.manual_seed((args.seed * 1000 + args.replica) * 1_000_003 + step)
         loss_of(model, *batch(train, args.batch, generator)).backward()

@@ -70,11 +70,17 @@ def fragment_of_each_parameter(model: nn.Module, fragments: int) -> list[int]:
     return [layers.index(name.rpartition(".")[0]) % fragments for name, _ in model.named_parameters()]
 
 
-def replay(out: Path, fragments: int) -> tuple[list[torch.Tensor], dict[str, nn.Module]]:
+def replay(
+    out: Path, fragments: int, delay: int = 0, merge: str = "mix", alpha: float = 0.5
+) -> tuple[list[torch.Tensor], dict[str, nn.Module]]:
     """theta_global (flat, per fragment) and every replica's model after the committed outer steps.
 
-    Outer step ``k`` syncs fragment ``k % F`` after inner step ``(k + 1) H / F``: every replica it
-    names took the inner steps since the previous outer step."""
+    Outer step ``k`` syncs fragment ``k % F``: every replica it names computes its outer gradient
+    after inner step ``s = (k + 1) H / F``, takes ``delay`` more inner steps, and at the landing
+    (after step ``s + delay``) its local fragment becomes theta_global (delay 0), or is merged
+    with it as Streaming DiLoCo does (``merge``: the paper's lerp, or theta_global plus the inner
+    steps taken since ``s``). Merges are computed on the fragment's flat concatenation, the
+    layout the exchange uses, so elementwise kernels see the same alignment."""
     commits, joins, slots = read_logs(out)
     assert sorted(commits) == list(range(len(commits))), f"committed outer steps have gaps: {sorted(commits)}"
     period = H // fragments
@@ -82,42 +88,63 @@ def replay(out: Path, fragments: int) -> tuple[list[torch.Tensor], dict[str, nn.
     owner = fragment_of_each_parameter(diloco_worker.make_model(), fragments)
     outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
     replicas: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+    done: dict[str, int] = {}  # inner steps each replica has taken
+
+    def advance(uuid: str, until: int) -> None:
+        model, opt = replicas[uuid]
+        for step in range(done[uuid], until):
+            x, y = diloco_worker.batch(slots[uuid], step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        done[uuid] = until
+
+    def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1) for t in tensors])
+
     for k in range(len(commits)):
         for uuid, (first, source) in joins.items():
             if first == k:  # healed after outer step k - 1: a copy of its source replica
                 model = copy.deepcopy(replicas[source][0])
                 opt = diloco_worker.make_inner(model)
                 opt.load_state_dict(copy.deepcopy(replicas[source][1].state_dict()))
-                replicas[uuid] = (model, opt)
+                replicas[uuid], done[uuid] = (model, opt), done[source]
+        synced = [i for i in range(len(theta)) if owner[i] == k % fragments]
+        start = (k + 1) * period
         deltas = []
         for uuid in commits[k]:
             if uuid not in replicas:  # a founding replica
                 model = diloco_worker.make_model()
-                replicas[uuid] = (model, diloco_worker.make_inner(model))
-            model, opt = replicas[uuid]
-            for step in range(k * period, (k + 1) * period):
-                x, y = diloco_worker.batch(slots[uuid], step)
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-            deltas.append([t.detach() - p.detach() for t, p in zip(theta, model.parameters())])
-        synced = [i for i in range(len(theta)) if owner[i] == k % fragments]
+                replicas[uuid], done[uuid] = (model, diloco_worker.make_inner(model)), 0
+            advance(uuid, start)
+            params = list(replicas[uuid][0].parameters())
+            deltas.append([theta[i].detach() - params[i].detach() for i in synced])
+        for uuid in commits[k]:
+            advance(uuid, start + delay)  # the inner steps taken while the exchange is in flight
+        before = flat([theta[i] for i in synced])
         with torch.no_grad():
-            for i in synced:
-                t = theta[i]
-                total = deltas[0][i].clone()
+            for j, i in enumerate(synced):
+                total = deltas[0][j].clone()
                 for delta in deltas[1:]:
-                    total.add_(delta[i])  # in rank order, as the exchange sums
-                t.grad = total.div_(float(len(deltas)))
+                    total.add_(delta[j])  # in rank order, as the exchange sums
+                theta[i].grad = total.div_(float(len(deltas)))
             outer.step()  # only the synced fragment's parameters have a gradient
-            for uuid in commits[k]:
-                params = list(replicas[uuid][0].parameters())
-                for i in synced:
-                    params[i].copy_(theta[i])
+            new = flat([theta[i] for i in synced])
+            for uuid, delta in zip(commits[k], deltas):
+                params = [p for i, p in enumerate(replicas[uuid][0].parameters()) if i in synced]
+                local = flat(params)
+                if delay == 0:
+                    merged = new
+                elif merge == "keep_inner_steps":
+                    merged = new + (local - (before - flat(delta)))
+                else:
+                    merged = torch.lerp(new, local, alpha)
+                for p, values in zip(params, merged.split([p.numel() for p in params])):
+                    p.copy_(values.view_as(p))
         for t in theta:
             t.grad = None
-    flat = [torch.cat([t.detach().reshape(-1) for i, t in enumerate(theta) if owner[i] == f]) for f in range(fragments)]
-    return flat, {uuid: model for uuid, (model, _) in replicas.items()}
+    flat_theta = [flat([t for i, t in enumerate(theta) if owner[i] == f]) for f in range(fragments)]
+    return flat_theta, {uuid: model for uuid, (model, _) in replicas.items()}
 
 
 def check(out: Path, results: list[dict], dead_at: int, bitwise: bool = True) -> None:
@@ -136,8 +163,10 @@ def check(out: Path, results: list[dict], dead_at: int, bitwise: bool = True) ->
         check_bitwise(out, results)
 
 
-def check_bitwise(out: Path, results: list[dict]) -> None:
-    theta, models = replay(out, results[0]["fragments"])
+def check_bitwise(out: Path, results: list[dict], merge: str | None = None) -> None:
+    """Every replica against the replay; ``merge`` replays another merge than the run's (a negative control)."""
+    first = results[0]
+    theta, models = replay(out, first["fragments"], first.get("delay", 0), merge or first.get("merge", "mix"))
     for result in results:
         saved = torch.load(out / f"{result['name']}.pt")
         assert len(saved["theta"]) == len(theta)

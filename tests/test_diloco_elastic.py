@@ -24,21 +24,38 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.mark.parametrize(
     # The mid-exchange kill runs here with two fragments (outer step 3 syncs fragment 1); with one,
-    # it is the etcd test's case (and the benchmark's, 5 runs each on both stores).
-    "fault, fragments, dead_at",
-    [(f"inner:{2 * H + 1}", 1, 2), ("exchange:3", 2, 3)],
-    ids=["inner", "exchange-2-fragments"],
+    # it is the etcd test's case (and the benchmark's, 5 runs each on both stores). Streaming
+    # (delay 1, H = 4, F = 2): fragment k % 2's exchange starts after inner step 2 (k + 1) and lands
+    # one step later; "inner:10" kills after outer step 4's exchange started, before it landed.
+    "fault, fragments, delay, merge, dead_at",
+    [
+        (f"inner:{2 * H + 1}", 1, 0, "mix", 2),
+        ("exchange:3", 2, 0, "mix", 3),
+        ("inner:10", 2, 1, "mix", 4),
+        ("exchange:3", 2, 1, "keep_inner_steps", 3),
+    ],
+    ids=["inner", "exchange-2-fragments", "streaming-in-flight", "streaming-exchange-keep"],
 )
 def test_survivors_lose_no_inner_step_and_the_restarted_replica_is_healed(
-    fault: str, fragments: int, dead_at: int, tmp_path: Path
+    fault: str, fragments: int, delay: int, merge: str, dead_at: int, tmp_path: Path
 ) -> None:
+    name = f"diloco-{fault.replace(':', '-')}-{fragments}-{delay}"
     job = DiLoCoJob(
-        tmp_path, f"diloco-{fault.replace(':', '-')}-{fragments}", None, sync_every=H, steps=STEPS, await_joiner="",
-        fragments=fragments,
+        tmp_path, name, None, sync_every=H, steps=STEPS, await_joiner="", fragments=fragments, delay=delay,
+        merge=merge,
     )  # fmt: skip
     results = run_with_a_death(job, fault)
     check(tmp_path, results, dead_at)
-    if fault.startswith("inner"):
+    # The exchange overlapped inner steps only where asked: after `delay` steps per outer step.
+    for result in results:
+        assert (result["in_flight_after_steps"] > 0) == (delay > 0), result
+    if delay:
+        # Negative control: the replay is sensitive to the merge at landing: replaying the other one
+        # must break the bitwise match.
+        other = "mix" if merge == "keep_inner_steps" else "keep_inner_steps"
+        with pytest.raises(AssertionError, match="parameters differ|theta_global differs"):
+            check_bitwise(tmp_path, results, merge=other)
+    if fault.startswith("inner") and not delay:
         # Negative control: the replay is sensitive to what the joiner was healed with. Claiming it
         # was healed from the other survivor (the same parameters after the outer step, another
         # AdamW state) must break the bitwise match.

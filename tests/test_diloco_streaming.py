@@ -333,11 +333,16 @@ def _misuse() -> list[str]:
     saved = diloco.DiLoCo(model, sgd, 4).state_dict()
     other_outer = diloco.DiLoCo(model, sgd, 4, fragments=2)
     expect(ValueError, r"\['fragment_parameters', 'fragments'\]", lambda: other_outer.load_state_dict(saved))
+    stepped = diloco.DiLoCo(model, sgd, 4)
+    x, y = mlp_batch(world, rank, 0)
+    loss_fn(model(x), y).backward()
+    stepped.step()  # one inner step of four: nothing in flight, but too late to swap the exchange
+    expect(RuntimeError, "before the first step", lambda: stepped.replace_exchange(stepped.exchange))
     return caught
 
 
 def test_misuse_raises_errors_that_name_the_fix() -> None:
-    assert len(run_distributed(_misuse, 2, timeout_s=30)[0]) == 15
+    assert len(run_distributed(_misuse, 2, timeout_s=30)[0]) == 16
 
 
 def _inner_steps_do_no_outer_work(H: int) -> list[int]:

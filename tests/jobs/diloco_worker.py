@@ -9,7 +9,9 @@ writes ``<name>.json`` and ``<name>.pt`` (its parameters and theta_global).
 The data of replica slot ``s`` at inner step ``t`` is ``batch(s, t)``: a restarted replica keeps
 its slot. ``--fault inner:T`` SIGKILLs this process before its inner step ``T``; ``--fault
 exchange:K`` SIGKILLs it in outer step ``K``'s exchange, after its reduce-scatter completed and
-before its all-gather (the others then wait for pieces that never come).
+before its all-gather (the others then wait for pieces that never come). With ``--delay`` the
+exchange runs on a thread while the inner steps go on (Streaming DiLoCo): ``inner:T`` at a step
+where an exchange is in flight kills the replica between its exchange's start and its landing.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def main() -> None:
     p.add_argument("--sync-every", type=int, default=4)
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--wire", default="fp32")
+    p.add_argument("--delay", type=int, default=0)
+    p.add_argument("--merge", default="mix")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--await-joiner", action="store_true", help="also run until a joiner took part in 2 outer steps")
     p.add_argument("--out", required=True)
@@ -84,7 +88,10 @@ def main() -> None:
     model = make_model()
     inner = make_inner(model)
     joiner = run.joining
-    outer = FaultTolerantDiLoCo(model, inner, sync_every=args.sync_every, fragments=args.fragments, wire=args.wire)
+    outer = FaultTolerantDiLoCo(
+        model, inner, sync_every=args.sync_every, fragments=args.fragments, wire=args.wire, delay=args.delay,
+        merge=args.merge,
+    )  # fmt: skip
     if phase == "exchange":
         _die_in_exchange(outer, at)
     me = {"uuid": run.uuid, "slot": args.slot, "name": args.name}
@@ -101,7 +108,8 @@ def main() -> None:
         return args.await_joiner and (not admitted or outer.outer_steps < admitted[0] + 2)
 
     requests_after_step = []
-    while outer.step_count < args.steps or waiting():
+    in_flight_after_steps = 0  # steps after which an exchange was still in flight (Streaming: delay of them)
+    while outer.step_count < args.steps or waiting() or outer.exchange_in_flight:  # end at a landing
         step = outer.step_count
         if phase == "inner" and step == at:
             die()
@@ -111,6 +119,7 @@ def main() -> None:
         outer.step()
         inner.zero_grad()
         requests_after_step.append((outer.step_count, requests[0]))
+        in_flight_after_steps += outer.exchange_in_flight
         if outer.outer_steps == before + 1:
             entry = {**me, "outer_step": before, "contributors": outer.contributors, "t": time.time()}
             log.write(json.dumps(entry) + "\n")
@@ -128,6 +137,9 @@ def main() -> None:
         "requests_after_step": requests_after_step,
         "sync_every": args.sync_every,
         "fragments": args.fragments,
+        "delay": args.delay,
+        "in_flight_after_steps": in_flight_after_steps,
+        "merge": args.merge,
     }
     state = {"model": model.state_dict(), "theta": [t.detach().clone() for t in outer.outer.global_parameters]}
     torch.save(state, out / f"{args.name}.pt")

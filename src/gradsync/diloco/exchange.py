@@ -25,7 +25,7 @@ copied to itself is not on the wire), the convention of hooks/wire.py.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,12 @@ class Averaged(NamedTuple):
     values: torch.Tensor | None  # the average over the contributors; None: nobody contributed
     active: int  # replicas still in their training loop (all of them outside outer.join())
     residuals: Residuals | None = None  # with error feedback: this process's, to commit when applied
+
+
+class PendingAverage(Protocol):
+    """An exchange in flight: ``result()`` is its average (a ``Future``'s, or one decided when asked for)."""
+
+    def result(self) -> Averaged: ...
 
 
 class WireCount:

@@ -38,7 +38,7 @@ from ..collectives.broadcast import broadcast_coalesced
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import checks, topology
 from .error_feedback import ErrorFeedback, Residuals, slice_length
-from .exchange import Averaged, OuterExchange, WireCount
+from .exchange import Averaged, OuterExchange, PendingAverage, WireCount
 from .fragments import Schedule, strided
 from .outer_params import Fragment, layers_of
 from .uneven import UnevenInputs
@@ -60,7 +60,7 @@ def averaging(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 class _InFlight(NamedTuple):
     fragment: int
     started: int  # the inner step after which its exchange started
-    average: Future[Averaged]
+    average: PendingAverage
     sent: torch.Tensor | None  # this replica's outer gradient as it started (merge="keep_inner_steps")
 
 
@@ -162,6 +162,22 @@ class DiLoCo:
         finally:
             self._uneven = None
 
+    def replace_exchange(self, exchange: Any) -> None:
+        """Average outer gradients through ``exchange`` from now on (``start``/``finished``/``close``/``count``,
+        as ``OuterExchange``); DiLoCo's own exchange, its thread and the process groups made for it are closed.
+
+        gradsync.elastic_diloco.FaultTolerantDiLoCo calls it once, before the first step, with an exchange
+        decided together and redone among survivors over each generation's group.
+        """
+        if self.step_count or self._in_flight is not None:
+            raise RuntimeError(
+                f"DiLoCo.replace_exchange() after {self.step_count} inner steps (rank {dist.get_rank()}): replace the "
+                "exchange before the first step, when no exchange can be in flight."
+            )
+        self.exchange.close()
+        topology.close(self.topology)
+        self.exchange = exchange
+
     @property
     def wire(self) -> WireCount:
         """Bytes this process sent for the outer exchange (over the slow link and inside its island)."""
@@ -201,6 +217,8 @@ class DiLoCo:
         try:
             return in_flight.average.result()
         except Exception as error:
+            if not isinstance(in_flight.average, Future):  # FaultTolerantDiLoCo's decided exchange: its errors
+                raise  # say what happened themselves (a lost store, a heal that did not match)
             raise RuntimeError(
                 f"DiLoCo's outer exchange of fragment {in_flight.fragment} (started after inner step "
                 f"{in_flight.started}) failed on rank {dist.get_rank()}: {error}. Every replica must call step() "

@@ -15,13 +15,28 @@ and averages *the same outer gradients* again over its group: each survivor's ``
 computed once, from ``theta_global`` and its parameters, neither of which the cut-off exchange
 touched. The average divides by the group's size, the replicas that contributed, so no survivor
 loses an inner step; the dead replica's round is missing from the average as if it never ran.
+
+[Note: a death while an exchange is in flight]
+With ``delay = tau > 0`` (Streaming DiLoCo) a fragment's exchange runs on a thread of this
+process while the training loop takes ``tau`` more inner steps; its collectives are waited for
+as above, so a death makes the thread's try fail within a heartbeat timeout, and the loop does
+not notice until the landing. There, and only there, the outer step is decided: the vote, the
+settling and any redo are the training loop's, on the group nobody else is using by then (the
+thread's try is over, one way or the other). A death anywhere between the start and the vote,
+in the inner steps, in the exchange or after it completed, aborts the outer step (nobody's vote
+completed), and the survivors average the same ``delta_i`` again over the next generation,
+blocking this once, then merge at the landing step as if nothing had happened: the ``tau``
+inner steps they took meanwhile are kept, the merge is DiLoCo's. Nothing is in flight at a
+landing (``delay < sync_every / fragments``), so a joiner admitted there is healed from a
+source whose DiLoCo state has no exchange in flight either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +46,8 @@ from ..diloco.topology import Topology
 from ..diloco.wire import WireFormat
 from ..elastic import commit, membership, settle
 from ..elastic.step_decision import StepDecider
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,7 @@ class CommittedExchange:
         outer_step: Callable[[], int],
         arrivals_known: Callable[[], int],
         reconfigure: Callable[[str], bool],
+        overlap: bool = False,
     ) -> None:
         self.decider = decider
         self.wire = wire
@@ -66,6 +84,10 @@ class CommittedExchange:
         self.abandoned: list = []
         membership.bury(self.abandoned)
         self.outcome: Outcome | None = None
+        # With overlap (delay > 0) each exchange's first try runs on a thread of its own while the inner
+        # steps go on; the decision, and any redo, are the training loop's, at landing.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="gradsync-diloco-ft") if overlap else None
+        self._attempt: Future[tuple[Averaged | None, list[str]]] | None = None
         self.redone = 0  # exchanges averaged again after an abort, over the life of the run
 
     def rebind(self, topology: Topology) -> None:
@@ -74,44 +96,63 @@ class CommittedExchange:
 
     def start(
         self, delta: torch.Tensor, flags: tuple[float, float] | None = None, residuals: Residuals | None = None
-    ) -> Future[Averaged]:
+    ) -> DecidedAverage:
+        """Begin averaging ``delta`` over the current generation (on the thread with ``overlap``); the
+        outer step is decided, and redone if it must be, when DiLoCo asks for the result at landing."""
         if flags is not None:
             raise RuntimeError(
                 "outer.join() (uneven inputs) is not supported by FaultTolerantDiLoCo: a replica whose data ends "
                 "can call close() instead; the others go on without it (it is not taken for dead: it left)."
             )
+        assert self._current is not None, "rebind() before the first exchange"
         self.count.in_flight += 1
         self.count.peak_in_flight = max(self.count.peak_in_flight, self.count.in_flight)
-        future: Future[Averaged] = Future()
-        future.set_result(self._average(delta, residuals))
-        return future
+        exchange = self._current  # the generation's, as the exchange starts (rebound only at landings)
+        if self._thread is not None:
+            self._attempt = self._thread.submit(self._average_once, exchange, delta, residuals)
+        else:
+            self._attempt = _done(self._average_once(exchange, delta, residuals))
+        return DecidedAverage(lambda: self._decided(delta, residuals))
 
     def finished(self) -> None:
         self.count.in_flight -= 1
 
+    def quiet(self) -> None:
+        """Wait until the collectives of an exchange in flight are over (it is decided only at landing):
+        the training thread may then use the group itself."""
+        if self._attempt is not None:
+            self._attempt.result()
+
     def close(self) -> None:
-        pass  # no thread: the exchange runs in the training loop (delay = 0)
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     def take_outcome(self) -> Outcome | None:
         outcome, self.outcome = self.outcome, None
         return outcome
 
-    def _average(self, delta: torch.Tensor, residuals: Residuals | None) -> Averaged:
+    def _average_once(
+        self, exchange: OuterExchange, delta: torch.Tensor, residuals: Residuals | None
+    ) -> tuple[Averaged | None, list[str]]:
+        """One try over one generation's group: the average, or None and why not."""
+        try:
+            # a redo starts from the same residuals: they are committed only with the applied average
+            return exchange.average(delta, None, residuals), []
+        except RuntimeError as error:
+            self.abandoned.extend(exchange.works)
+            return None, [f"the outer exchange failed: {error}"]
+        finally:
+            exchange.works.clear()
+
+    def _decided(self, delta: torch.Tensor, residuals: Residuals | None) -> Averaged:
         """The average the current generation agreed on; values None when this process must join again."""
+        assert self._attempt is not None, "an exchange landed that never started"
+        attempt, self._attempt = self._attempt, None
         retried_with_all_alive = False
         while True:
-            assert self._current is not None, "rebind() before the first exchange"
             step, members = self._outer_step(), list(self.decider.run.generation.members)
-            failures: list[str] = []
-            averaged = None
-            try:
-                # a redo starts from the same residuals: they are committed only with the applied average
-                averaged = self._current.average(delta, None, residuals)
-            except RuntimeError as error:
-                failures.append(f"the outer exchange failed: {error}")
-                self.abandoned.extend(self._current.works)
-            finally:
-                self._current.works.clear()
+            averaged, failures = attempt.result()  # the thread's try never raises: it returns its failure
             try:
                 decision, by_vote = self.decider.decide(step, failures, self._arrivals_known(), self.abandoned)
             except settle.Revoked as revoked:
@@ -137,3 +178,28 @@ class CommittedExchange:
                     )
                 retried_with_all_alive = True
             self.redone += 1
+            # The redo runs here, in the training loop, over the new generation's group: the survivors
+            # wait for it (an abort is rare; overlapping it would need a landing step of its own).
+            assert self._current is not None
+            attempt = _done(self._average_once(self._current, delta, residuals))
+
+
+class DecidedAverage:
+    """An outer exchange in flight; ``result()`` (at landing) decides it together with the other replicas."""
+
+    def __init__(self, decide: Callable[[], Averaged]) -> None:
+        self._decide: Callable[[], Averaged] | None = decide
+        self._value: Averaged | None = None
+
+    def result(self) -> Averaged:
+        if self._decide is not None:
+            decide, self._decide = self._decide, None
+            self._value = decide()
+        assert self._value is not None
+        return self._value
+
+
+def _done(value: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future

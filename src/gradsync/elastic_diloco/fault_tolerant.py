@@ -58,7 +58,9 @@ class FaultTolerantDiLoCo:
     members admit it at an outer step and heals it from one of them ([Note: fault-tolerant DiLoCo]).
     ``extra_state``: objects with ``state_dict``/``load_state_dict`` healed too (an LR scheduler, a
     data position). ``on_reconfigure(rank, world_size, inner_step)`` is called after every change of
-    membership, on every member.
+    membership, on every member. ``delay``, ``alpha`` and ``merge`` are DiLoCo's (Streaming DiLoCo): a
+    fragment's exchange overlaps the next ``delay`` inner steps and is decided at its landing
+    ([Note: a death while an exchange is in flight] in committed_exchange.py).
     """
 
     def __init__(
@@ -72,6 +74,10 @@ class FaultTolerantDiLoCo:
         extra_state: dict[str, Any] | None = None,
         on_reconfigure: Callable[[int, int, int], None] | None = None,
         run: ElasticRun | None = None,
+        *,
+        delay: int = 0,
+        alpha: float = 0.5,
+        merge: str = "mix",
     ) -> None:
         if isinstance(model, DataParallelWrapper):
             raise ValueError(
@@ -80,9 +86,9 @@ class FaultTolerantDiLoCo:
                 "gradsync.diloco.DiLoCo for them, or one replica per process here."
             )
         self.run = run if run is not None else current()
-        # delay = 0: an exchange in flight across a change of membership would need its group after
-        # the group is gone; the streaming overlap is not offered here (docs/diloco.md).
-        self.outer = DiLoCo(model, inner_optimizer, sync_every, outer_optimizer, fragments, 0, wire=wire)
+        self.outer = DiLoCo(
+            model, inner_optimizer, sync_every, outer_optimizer, fragments, delay, alpha, wire, merge=merge
+        )  # fmt: skip
         self.module = self.outer.module
         self.inner = inner_optimizer
         self.extra_state = dict(extra_state or {})
@@ -104,8 +110,9 @@ class FaultTolerantDiLoCo:
             lambda: self.outer_steps,
             self._arrivals_known,
             lambda reason: self.membership.change(self.run.generation.members, self.run.generation.members, reason),
+            overlap=delay > 0,  # [Note: a death while an exchange is in flight] in committed_exchange.py
         )
-        self.outer.exchange = self.exchange  # DiLoCo averages through it from now on
+        self.outer.replace_exchange(self.exchange)  # DiLoCo averages through it from now on
         self._rewire()
         if self.run.joining:
             self.membership.join()
@@ -151,11 +158,19 @@ class FaultTolerantDiLoCo:
     def replicas_identical(self) -> bool:
         """Whether every replica holds the same ``theta_global`` and outer optimizer state, bit for bit
         (the local parameters differ between outer steps by design)."""
+        self.exchange.quiet()  # an exchange in flight holds the group until its collectives are over
         every = self._fingerprints()
         return all(torch.equal(theirs, every[0]) for theirs in every)
 
+    @property
+    def exchange_in_flight(self) -> bool:
+        """Whether a fragment's exchange has started and not landed (with ``delay > 0``)."""
+        return self.outer.wire.in_flight > 0
+
     def close(self) -> None:
-        """Leave the run on purpose, after the last step (peers do not take it for dead)."""
+        """Leave the run on purpose, after the last step (peers do not take it for dead). An exchange still
+        in flight is decided with the others and dropped, as ``DiLoCo.close()`` drops it: end the loop
+        after a landing (``exchange_in_flight`` False) to keep the last fragment's inner steps."""
         self.outer.close()
         self.run.leave()
 
@@ -216,6 +231,9 @@ class FaultTolerantDiLoCo:
         self._check_identical(generation)
 
     def _payload(self) -> dict[str, Any]:
+        # Healing happens after a landing or while forming a generation at construction: never with an
+        # exchange in flight, whose state_dict() would have to decide it here.
+        assert not self.exchange_in_flight, "a heal source with an exchange in flight"
         return {
             "outer_steps": self.outer_steps,
             "arrivals_seen": self.run.arrivals_seen,
