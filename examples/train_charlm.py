@@ -72,6 +72,20 @@ class CharLM(nn.Module):
         return self.head(self.norm(h))
 
 
+def fragments_of(model: CharLM, args: argparse.Namespace) -> int | list[list[nn.Module | nn.Parameter]]:
+    """DiLoCo's fragments: a count (strided over layers), or, with ``--fragment-by block``, blocks
+    ``p, p + F, ...`` in fragment ``p``, the embeddings with the first and the final norm and head with the last."""
+    if args.fragment_by == "layer":
+        return args.fragments
+    blocks, count = list(model.blocks.layers), args.fragments
+    if len(blocks) < count:
+        raise SystemExit(f"--fragment-by block needs --layers >= --fragments ({count})")
+    fragments: list[list[nn.Module | nn.Parameter]] = [list(blocks[p::count]) for p in range(count)]
+    fragments[0] += [model.embed, model.position]
+    fragments[-1] += [model.norm, model.head]
+    return fragments
+
+
 def batch(data: torch.Tensor, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.randint(0, len(data) - CONTEXT - 1, (size,), generator=generator)
     x = torch.stack([data[s : s + CONTEXT] for s in starts.tolist()])
@@ -103,6 +117,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--sync-every", type=int, default=50)
     parser.add_argument("--fragments", type=int, default=1)
+    parser.add_argument(
+        "--fragment-by", choices=["layer", "block"], default="layer",
+        help="strided over modules holding parameters (default), or over transformer blocks (as Streaming DiLoCo)",
+    )  # fmt: skip
     parser.add_argument("--delay", type=int, default=0)
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--merge", choices=["mix", "keep_inner_steps"], default="mix", help="with --delay")
@@ -147,7 +165,7 @@ def main() -> None:
             groups = [dist.new_group(ranks) for ranks in islands]  # every process makes every group
             trained = DDP(model, process_group=groups[rank // args.island_size])
         inner = torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-        knobs = {"fragments": args.fragments, "delay": args.delay, "alpha": args.alpha, "wire": args.wire}
+        knobs = {"fragments": fragments_of(model, args), "delay": args.delay, "alpha": args.alpha, "wire": args.wire}
         knobs.update(merge=args.merge, error_feedback=args.error_feedback)
         if args.mode == "local":
             stepper = gradsync.diloco.LocalSGD(trained, inner, sync_every=args.sync_every, **knobs)
@@ -186,7 +204,8 @@ def elastic_main(args: argparse.Namespace, model: nn.Module, train: torch.Tensor
         return torch.optim.SGD(params, lr=args.outer_lr, momentum=0.9, nesterov=True)
 
     outer = FaultTolerantDiLoCo(
-        model, inner, args.sync_every, outer_optimizer=outer_optimizer, fragments=args.fragments, wire=args.wire,
+        model, inner, args.sync_every, outer_optimizer=outer_optimizer, fragments=fragments_of(model, args),
+        wire=args.wire,
         delay=args.delay, alpha=args.alpha, merge=args.merge,
         on_reconfigure=lambda rank, world, step: print(f"replica {args.replica}: now rank {rank} of {world} at "
                                                        f"step {step}", flush=True),

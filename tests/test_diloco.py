@@ -26,6 +26,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 import gradsync.diloco as diloco
 from gradsync import DistributedDataParallel as DDP
 from gradsync.diloco.fragments import Schedule, strided
+from gradsync.diloco.outer_params import fragment_layers
 from gradsync.diloco.wire import Bf16, Fp32, Int8
 
 from harness import run_distributed
@@ -64,6 +65,7 @@ def simulate(
     steps_of: list[int] | None = None,
     by_contributors: bool = True,
     merge: str = "mix",
+    fragment_of: dict[str, int] | None = None,
 ) -> tuple[list[nn.Module], dict[str, torch.Tensor]]:
     """All replicas in one process, one tensor per parameter: Streaming DiLoCo as the papers state it.
 
@@ -72,12 +74,13 @@ def simulate(
     averages the replicas that trained since the fragment's previous exchange, and the run ends after F
     exchanges in a row that started with every replica out of data. ``merge="keep_inner_steps"``: at
     landing each replica's fragment becomes the new theta_global plus what it moved since the exchange
-    started (its parameters at the start are copied then).
+    started (its parameters at the start are copied then). ``fragment_of``: parameter name -> fragment,
+    for fragments the user names (default: layer i in fragment i % F).
     """
     steps_of = steps_of or [steps] * len(models)
     inners = [inner(m.parameters()) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
-    fragment_of = {n: i % F for n, i in layer_index(models[0]).items()}
+    fragment_of = fragment_of or {n: i % F for n, i in layer_index(models[0]).items()}
     theta = {n: nn.Parameter(p.detach().clone()) for n, p in models[0].named_parameters()}
     outer_opt = outer(list(theta.values()))
     in_flight, quiet, t = None, 0, 0
@@ -154,6 +157,38 @@ def test_fragments_are_strided_and_partition_the_layers() -> None:
     assert strided(4, 2) != [[0, 1], [2, 3]]  # negative control: the contiguous split is not what we make
     with pytest.raises(ValueError, match="fragments=6"):
         strided(5, 6)
+
+
+def contiguous_blocks(model: nn.Module) -> list[nn.Module]:
+    """Fragments a user names for the test MLP: its first two blocks, then the other two and the head."""
+    blocks = list(model.layers)
+    return [nn.ModuleList(blocks[:2]), nn.ModuleList([*blocks[2:], model.head])]
+
+
+def test_fragments_the_user_names_partition_the_model_in_its_order() -> None:
+    model = make_model("mlp")
+    names = [n for n, _ in model.named_parameters()]
+    fragments = fragment_layers(model, contiguous_blocks(model))
+    got = [[n for layer in f for n, _ in layer.params] for f in fragments]
+    assert got == [names[:4], names[4:]], got  # blocks 0-1, then blocks 2-3 and the head
+    # the model's order inside a fragment, however the user's modules nest
+    blocks = list(model.layers)
+    swapped = fragment_layers(model, [nn.ModuleList([blocks[1], blocks[0]]), nn.ModuleList([*blocks[2:], model.head])])
+    assert [[n for layer in f for n, _ in layer.params] for f in swapped] == got
+    # parameters named one by one, beside modules (how a parameter the root module holds is named)
+    by_parts = fragment_layers(model, [blocks[:2], [*blocks[2:], model.head.weight, model.head.bias]])
+    assert [[n for layer in f for n, _ in layer.params] for f in by_parts] == got
+    # negative control: the strided split of the same model is another one
+    assert [[n for layer in f for n, _ in layer.params] for f in fragment_layers(model, 2)] != got
+    for bad, error, match in (
+        ([model.layers], ValueError, r"\['head.weight', 'head.bias'\] are in none"),
+        ([model.layers, model], ValueError, r"layers.0.0.weight is in fragments\[0\] and fragments\[1\]"),
+        ([model, nn.Linear(2, 2)], ValueError, r"fragments\[1\] holds 2 parameter\(s\) that are not the model's"),
+        ([model, nn.Tanh()], ValueError, r"fragments\[1\] \(Tanh\) holds no parameters"),
+        ([model, "head"], TypeError, r"fragments\[1\] holds a str"),
+    ):
+        with pytest.raises(error, match=match):
+            fragment_layers(model, bad)
 
 
 @pytest.mark.parametrize("H,F,delay", [(4, 1, 0), (6, 3, 0), (6, 3, 1), (8, 2, 3), (9, 3, 2)])

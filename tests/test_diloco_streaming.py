@@ -20,7 +20,15 @@ import gradsync.diloco as diloco
 from gradsync import DistributedDataParallel as DDP
 from gradsync.hooks import AllReduceState, allreduce_hook
 from gradsync.zero import ShardedOptimizer
-from test_diloco import layer_index, mlp_batch, params_relative, relative, simulate, train_replica
+from test_diloco import (
+    contiguous_blocks,
+    layer_index,
+    mlp_batch,
+    params_relative,
+    relative,
+    simulate,
+    train_replica,
+)
 
 from harness import run_distributed
 from models import global_batch, loss_fn, make_model, rank_world, shard
@@ -31,19 +39,32 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
 
 def _against_simulation(
-    H: int, F: int, delay: int, alpha: float, sim_alpha: float, merge: str = "mix", sim_merge: str = "mix"
+    H: int,
+    F: int,
+    delay: int,
+    alpha: float,
+    sim_alpha: float,
+    merge: str = "mix",
+    sim_merge: str = "mix",
+    named: bool = False,
+    sim_named: bool = False,
 ) -> float:
+    """``named``: DiLoCo is given contiguous_blocks (F = 2) instead of F; ``sim_named``: so is the simulation."""
     rank, world = rank_world()
     model = make_model("mlp")
     replicas = [copy.deepcopy(model) for _ in range(world)]
+    fragments = contiguous_blocks(model) if named else F
     outer = diloco.DiLoCo(
-        model, ADAMW(model.parameters()), sync_every=H, fragments=F, delay=delay, alpha=alpha, merge=merge
+        model, ADAMW(model.parameters()), sync_every=H, fragments=fragments, delay=delay, alpha=alpha, merge=merge
     )
     steps = 3 * H + 1
     train_replica(model, outer, range(steps))
     outer.close()
     batch = functools.partial(mlp_batch, world)
-    simulated, theta = simulate(replicas, ADAMW, diloco.nesterov, batch, steps, H, F, delay, sim_alpha, merge=sim_merge)
+    fragment_of = {n: int(i >= 2) for n, i in layer_index(model).items()} if sim_named else None
+    simulated, theta = simulate(
+        replicas, ADAMW, diloco.nesterov, batch, steps, H, F, delay, sim_alpha, merge=sim_merge, fragment_of=fragment_of
+    )
     flat_theta = torch.cat([theta[n].reshape(-1) for n in sorted(theta, key=list(theta).index)])
     ours = torch.cat([p.detach().reshape(-1) for p in outer.global_parameters])
     # theta_global is laid out by fragment; compare it parameter by parameter through the fragments' names
@@ -75,6 +96,16 @@ def test_the_merge_that_keeps_the_inner_steps_equals_the_simulation(H: int, F: i
         assert difference <= 1e-5, difference
     # negative control: the paper's merge in the simulation is far from it
     assert min(run_distributed(_against_simulation, 2, *args, "mix", timeout_s=30)) > 1e-3
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_fragments_the_user_names_equal_the_simulation(delay: int) -> None:
+    """fragments=[blocks 0-1, blocks 2-3 + head]: synced as the simulation with that assignment syncs them."""
+    args = (4, 2, delay, 0.5, 0.5, "mix", "mix", True)
+    for difference in run_distributed(_against_simulation, 2, *args, True, timeout_s=30):
+        assert difference <= 1e-5, difference
+    if delay:  # negative control: the simulation with the strided assignment is far from it
+        assert min(run_distributed(_against_simulation, 2, *args, False, timeout_s=30)) > 1e-3
 
 
 def _touches(H: int, F: int) -> dict:
@@ -333,6 +364,8 @@ def _misuse() -> list[str]:
     saved = diloco.DiLoCo(model, sgd, 4).state_dict()
     other_outer = diloco.DiLoCo(model, sgd, 4, fragments=2)
     expect(ValueError, r"\['fragment_parameters', 'fragments'\]", lambda: other_outer.load_state_dict(saved))
+    expect(TypeError, "pass a list of submodules", lambda: diloco.DiLoCo(model, sgd, 4, fragments=model.layers))
+    expect(ValueError, "are in none", lambda: diloco.DiLoCo(model, sgd, 4, fragments=[model.layers]))
     stepped = diloco.DiLoCo(model, sgd, 4)
     x, y = mlp_batch(world, rank, 0)
     loss_fn(model(x), y).backward()
@@ -342,7 +375,7 @@ def _misuse() -> list[str]:
 
 
 def test_misuse_raises_errors_that_name_the_fix() -> None:
-    assert len(run_distributed(_misuse, 2, timeout_s=30)[0]) == 16
+    assert len(run_distributed(_misuse, 2, timeout_s=30)[0]) == 18
 
 
 def _inner_steps_do_no_outer_work(H: int) -> list[int]:

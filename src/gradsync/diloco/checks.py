@@ -122,3 +122,15 @@ def check_replicas_agree(settings: dict[str, Any], groups: list[dist.ProcessGrou
                 f"{'; '.join(f'rank {r} has {v}' for r, v in differ.items())}. Pass the same sync_every, fragments, "
                 "delay, alpha, wire and model everywhere."
             )
+
+
+def fragment_count(fragments: object) -> int:
+    """How many fragments: an int as given (the schedule checks it), or the length of a list of submodules."""
+    if isinstance(fragments, (list, tuple, nn.ModuleList)):
+        return len(fragments)
+    if isinstance(fragments, nn.Module):
+        raise TypeError(
+            f"fragments is one {type(fragments).__name__} (rank {dist.get_rank()}): pass a list of submodules, one "
+            "per fragment (fragments=[block_a, block_b]), or an int for strided fragments."
+        )
+    return fragments  # type: ignore[return-value] - Schedule.checked raises for anything but an int

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Callable, NamedTuple
@@ -39,8 +39,8 @@ from ..wrapper.data_parallel import DataParallelWrapper
 from . import checks, topology
 from .error_feedback import ErrorFeedback, Residuals, slice_length
 from .exchange import Averaged, OuterExchange, PendingAverage, WireCount
-from .fragments import Schedule, strided
-from .outer_params import Fragment, layers_of
+from .fragments import Schedule
+from .outer_params import Fragment, fragment_layers
 from .uneven import UnevenInputs
 from .wire import wire_format
 
@@ -70,6 +70,9 @@ class DiLoCo:
     ``model`` is a plain module (every process a replica, exchanging over ``group``, default all) or
     a gradsync ``DistributedDataParallel`` over one island's process group ([Note: islands] in
     topology.py; ``group`` must then be None). Building it is collective over the default group.
+    ``fragments``: a count (layers strided over them), or one entry per fragment, each a submodule, a
+    parameter or a list of those, together holding every parameter once ([Note: fragments the user
+    names] in outer_params.py).
     ``exchange`` is whatever averages outer gradients (``start``/``finished``/``close``/``count``):
     gradsync.elastic_diloco replaces it with one decided together and redone among survivors.
     """
@@ -80,7 +83,7 @@ class DiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         sync_every: int,
         outer_optimizer: OuterOptimizerFactory | None = None,
-        fragments: int = 1,
+        fragments: int | Sequence[object] = 1,
         delay: int = 0,
         alpha: float = 0.5,
         wire: str = "fp32",
@@ -93,7 +96,7 @@ class DiLoCo:
         checks.check_inner_optimizer(model, inner_optimizer)
         checks.check_knobs(alpha, merge, outer_optimizer)
         checks.check_error_feedback(error_feedback, wire)
-        self.schedule = Schedule.checked(sync_every, fragments, delay)
+        self.schedule = Schedule.checked(sync_every, checks.fragment_count(fragments), delay)
         self.wire_format = wire_format(wire)
         self.island = model if isinstance(model, DataParallelWrapper) else None
         self.module: nn.Module = model.module if self.island is not None else model
@@ -105,10 +108,7 @@ class DiLoCo:
         start = list(self.module.parameters()) + list(self.module.buffers())
         with torch.no_grad():
             broadcast_coalesced(start, self.topology.source, self.topology.outer)
-        layers = layers_of(self.module)
-        self.fragments = [
-            Fragment(p, [layers[i] for i in idx]) for p, idx in enumerate(strided(len(layers), fragments))
-        ]
+        self.fragments = [Fragment(p, layers) for p, layers in enumerate(fragment_layers(self.module, fragments))]
         t = self.topology
         self.feedback = (  # [Note: error feedback] in error_feedback.py
             ErrorFeedback([slice_length(f.numel, t.island_size, t.island_rank) for f in self.fragments])
@@ -342,7 +342,7 @@ class LocalSGD(DiLoCo):
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
         sync_every: int,
-        fragments: int = 1,
+        fragments: int | Sequence[object] = 1,
         delay: int = 0,
         alpha: float = 0.5,
         wire: str = "fp32",

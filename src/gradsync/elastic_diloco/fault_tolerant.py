@@ -28,7 +28,7 @@ state (observability/divergence.py); a difference raises.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -69,7 +69,7 @@ class FaultTolerantDiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         sync_every: int,
         outer_optimizer: OuterOptimizerFactory | None = None,
-        fragments: int = 1,
+        fragments: int | Sequence[object] = 1,
         wire: str = "fp32",
         extra_state: dict[str, Any] | None = None,
         on_reconfigure: Callable[[int, int, int], None] | None = None,
