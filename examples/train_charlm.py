@@ -124,9 +124,11 @@ def main() -> None:
     parser.add_argument("--delay", type=int, default=0)
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--merge", choices=["mix", "keep_inner_steps"], default="mix", help="with --delay")
-    parser.add_argument("--wire", choices=["fp32", "bf16", "int8"], default="fp32")
+    parser.add_argument("--wire", choices=["fp32", "bf16", "int8", "int4"], default="fp32")
     parser.add_argument(
-        "--error-feedback", action="store_true", help="with --wire bf16/int8: what rounding removed goes with the next"
+        "--error-feedback",
+        action="store_true",
+        help="with --wire bf16/int8/int4: what rounding removed goes with the next",
     )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--island-size", type=int, default=1, help="processes per island (DDP inside, DiLoCo across)")

@@ -27,7 +27,7 @@ import gradsync.diloco as diloco
 from gradsync import DistributedDataParallel as DDP
 from gradsync.diloco.fragments import Schedule, strided
 from gradsync.diloco.outer_params import fragment_layers
-from gradsync.diloco.wire import Bf16, Fp32, Int8
+from gradsync.diloco.wire import Bf16, Fp32, Int4, Int8
 
 from harness import run_distributed
 from models import global_batch, loss_fn, make_model, rank_world, shard
@@ -239,6 +239,28 @@ def test_wire_formats_decode_what_was_sent() -> None:
     assert torch.equal(int8.decode(int8.encode(torch.zeros(10)), 10), torch.zeros(10))
     # negative control: one scale for everything would lose the small chunks entirely
     assert (decoded[:256] != 0).any() and (Int8(chunk=4096).decode(Int8(chunk=4096).encode(x), 3000)[:256] == 0).all()
+
+
+@pytest.mark.parametrize("n", [3000, 2999])
+def test_the_int4_wire_decodes_what_was_sent(n: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(n) * torch.logspace(-3, 1, n)
+    int4 = Int4(chunk=256)
+    data = int4.encode(x)
+    chunks = -(-n // 256)
+    assert data.numel() == int4.encoded_nbytes(n) == (n + 1) // 2 + 4 * chunks  # two values a byte
+    decoded = int4.decode(data, n)
+    for c in range(chunks):  # per chunk: a multiple of its own step, off by at most half of it
+        chunk, got = x[c * 256 : (c + 1) * 256], decoded[c * 256 : (c + 1) * 256]
+        step = chunk.abs().max() / 7
+        assert (got - chunk).abs().max() <= step / 2 * (1 + 1e-5)
+        levels = got / step  # seven levels a side, the largest entry on the outermost
+        assert (levels - torch.round(levels)).abs().max() < 1e-4 and torch.round(levels).abs().max() == 7
+    shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), data])[3:]  # an odd byte offset decodes the same
+    assert torch.equal(int4.decode(shifted, n), decoded)
+    assert torch.equal(int4.decode(int4.encode(torch.zeros(11)), 11), torch.zeros(11))
+    # negative control: a value between two levels is not sent as it was
+    assert not torch.equal(decoded, x)
 
 
 # -- exact special cases ---------------------------------------------------------------------------

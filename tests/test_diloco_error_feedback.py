@@ -1,7 +1,8 @@
 """Error feedback on DiLoCo's lossy wire ([Note: error feedback] in gradsync/diloco/error_feedback.py).
 
-The reference is written here from the note, not from gradsync's wire formats: int8 rounding by
-hand (one scale per 1024 values, ``max |x| / 127``, round to nearest, clamp to +-127), the
+The reference is written here from the note, not from gradsync's wire formats: int8 and int4
+rounding by hand (one scale per 1024 / 256 values, ``max |x| / 127`` / ``7``, round to nearest,
+clamp), the
 exchange's pieces (``torch.tensor_split`` of the outer gradient, piece ``j`` summed by replica
 ``j`` in rank order), every replica simulated in one process. Negative controls: the simulation
 without feedback, and with the sender's half of it only, end elsewhere; a resume without the
@@ -26,29 +27,36 @@ from models import loss_fn, make_model, rank_world
 
 pytestmark = pytest.mark.timeout(90)
 
-CHUNK = 1024
+# wire -> (levels a side, values per scale), as docs/diloco.md states them
+FORMATS = {"int8": (127, 1024), "int4": (7, 256)}
 
 
-def rounded(x: torch.Tensor) -> torch.Tensor:
-    """What the int8 wire leaves of ``x``: per chunk of 1024 values ``round(x / s) * s``, ``s = max |x| / 127``."""
+def rounded(x: torch.Tensor, wire: str) -> torch.Tensor:
+    """What the wire leaves of ``x``: per chunk ``round(x / s) * s``, ``s = max |x| / levels``, clamped."""
+    levels, chunk = FORMATS[wire]
     out = torch.empty_like(x)
-    for c in range(0, x.numel(), CHUNK):
-        part = x[c : c + CHUNK]
-        s = part.abs().max() / 127
+    for c in range(0, x.numel(), chunk):
+        part = x[c : c + chunk]
+        s = part.abs().max() / levels
         s = s if s > 0 else torch.ones_like(s)
-        out[c : c + CHUNK] = torch.round(part / s).clamp(-127, 127) * s
+        out[c : c + chunk] = torch.round(part / s).clamp(-levels, levels) * s
     return out
 
 
 def exchange(
-    deltas: list[torch.Tensor], sent: list[torch.Tensor], owned: list[torch.Tensor], sender: bool, owner: bool
+    deltas: list[torch.Tensor],
+    sent: list[torch.Tensor],
+    owned: list[torch.Tensor],
+    sender: bool,
+    owner: bool,
+    wire: str,
 ) -> torch.Tensor:
     """One exchange of every replica's ``delta``; ``sent[r]`` / ``owned[j]`` (replica r's residual, piece j's
     owner's residual) are updated in place when the feedback is on."""
     world = len(deltas)
     contributions = [d + s if sender else d for d, s in zip(deltas, sent)]
     pieces = [torch.tensor_split(c, world) for c in contributions]
-    decoded = [[rounded(p) for p in replica] for replica in pieces]
+    decoded = [[rounded(p, wire) for p in replica] for replica in pieces]
     for r in range(world):
         if sender:
             sent[r].copy_(contributions[r] - torch.cat(decoded[r]))
@@ -60,15 +68,15 @@ def exchange(
         mean = total.div_(float(world))
         if owner:
             mean.add_(owned[j])
-        back = rounded(mean)
+        back = rounded(mean, wire)
         if owner:
             owned[j].copy_(mean - back)
         averages.append(back)
     return torch.cat(averages)
 
 
-def simulate(model: nn.Module, world: int, steps: int, H: int, sender: bool, owner: bool) -> torch.Tensor:
-    """Blocking DiLoCo (one fragment) of ``world`` replicas with int8 and the feedback asked for: theta_global."""
+def simulate(model: nn.Module, world: int, steps: int, H: int, sender: bool, owner: bool, wire: str) -> torch.Tensor:
+    """Blocking DiLoCo (one fragment) of ``world`` replicas on ``wire``, with the feedback asked for: theta_global."""
     replicas = [copy.deepcopy(model) for _ in range(world)]
     inners = [ADAMW(m.parameters()) for m in replicas]
     theta = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
@@ -84,7 +92,7 @@ def simulate(model: nn.Module, world: int, steps: int, H: int, sender: bool, own
             opt.step()
         if (t + 1) % H == 0:
             deltas = [theta.detach() - torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in replicas]
-            theta.grad = exchange(deltas, sent, owned, sender, owner)
+            theta.grad = exchange(deltas, sent, owned, sender, owner, wire)
             outer.step()
             theta.grad = None
             with torch.no_grad():
@@ -94,11 +102,11 @@ def simulate(model: nn.Module, world: int, steps: int, H: int, sender: bool, own
     return theta.detach().clone()
 
 
-def _train(H: int, steps: int) -> dict:
+def _train(H: int, steps: int, wire: str) -> dict:
     rank, world = rank_world()
     model = make_model("mlp")
     reference = copy.deepcopy(model)
-    outer = diloco.DiLoCo(model, ADAMW(model.parameters()), sync_every=H, wire="int8", error_feedback=True)
+    outer = diloco.DiLoCo(model, ADAMW(model.parameters()), sync_every=H, wire=wire, error_feedback=True)
     train_replica(model, outer, range(steps))
     outer.close()
     theta = outer.global_parameters[0].detach().clone()
@@ -107,16 +115,16 @@ def _train(H: int, steps: int) -> dict:
     result = {"identical": all(torch.equal(gathered[0], g) for g in gathered)}
     if rank == 0:
         simulated = {
-            kind: simulate(reference, world, steps, H, sender, owner)
+            kind: simulate(reference, world, steps, H, sender, owner, wire)
             for kind, sender, owner in (("both", True, True), ("sender", True, False), ("none", False, False))
         }
         result.update({kind: relative(theta, value) for kind, value in simulated.items()})
     return result
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_error_feedback_equals_the_simulation_written_from_the_note(world: int) -> None:
-    result = run_distributed(_train, world, 3, 12, timeout_s=60)
+@pytest.mark.parametrize("world, wire", [(2, "int8"), (3, "int8"), (2, "int4")])
+def test_error_feedback_equals_the_simulation_written_from_the_note(world: int, wire: str) -> None:
+    result = run_distributed(_train, world, 3, 12, wire, timeout_s=60)
     assert all(r["identical"] for r in result), result  # the same bits on every replica
     difference = result[0]
     assert difference["both"] <= 1e-6, difference
@@ -195,6 +203,6 @@ def _misuse() -> list[str]:
 
 def test_misuse_of_error_feedback_is_refused_with_the_fix() -> None:
     fp32, not_bool, checkpoint = run_distributed(_misuse, 2, timeout_s=30)[0]
-    assert "wire='bf16' or 'int8'" in fp32
+    assert "wire='bf16', 'int8' or 'int4'" in fp32
     assert "True or False" in not_bool
     assert "error_feedback" in checkpoint and "rank 0" in checkpoint

@@ -212,6 +212,15 @@ def test_bytes_on_the_wire_per_inner_step(world: int) -> None:
         # peak bytes in flight: one fragment at a time, each 1/F of the model (int8: 1/4 of that, plus scales)
         assert r["peak_exchanges"] == 1
         assert r["peak"] <= r["model_bytes"] / 2 / 4 + scale_bytes, r
+    for r in run_distributed(_bytes, world, "int4", H, 2, 1, timeout_s=30):
+        assert r["diloco"] == r["independent"] > 0
+        # int4: an eighth of fp32, plus 4 bytes of scale per chunk of 256 values and half a byte of padding per
+        # piece (each a chunk of its own at the ends), over the payload's numel / 2 bytes
+        pieces = 2 * world
+        extra = 4 * (r["numel"] // 256 + pieces) + pieces
+        assert r["diloco"] <= (r["ddp"] / (8 * H)) * (1 + extra / (r["numel"] / 2)), r
+        assert r["diloco"] > r["ddp"] / (8 * H)  # negative control: the scales are counted
+        assert r["peak"] <= r["model_bytes"] / 2 / 8 + extra, r
 
 
 def _train_and_save(

@@ -9,7 +9,7 @@
 
 ``model`` is a plain module (each process a replica) or a gradsync DistributedDataParallel whose
 process group is one island. ``fragments``, ``delay`` and ``alpha`` give Streaming DiLoCo;
-``wire`` is the outer exchange's format ("fp32", "bf16", "int8"), ``error_feedback=True`` sends what
+``wire`` is the outer exchange's format ("fp32", "bf16", "int8", "int4"), ``error_feedback=True`` sends what
 a lossy format's rounding removed with the next exchange (error_feedback.py). See outer.py's
 [Note: DiLoCo in one paragraph].
 """

@@ -91,7 +91,7 @@ def check_error_feedback(error_feedback: bool, wire: object) -> None:
     if error_feedback and wire == "fp32":
         raise ValueError(
             "error_feedback=True keeps what a lossy wire's rounding removed and sends it with the next exchange; "
-            "wire='fp32' rounds nothing. Use it with wire='bf16' or 'int8', or leave it False."
+            "wire='fp32' rounds nothing. Use it with wire='bf16', 'int8' or 'int4', or leave it False."
         )
 
 
