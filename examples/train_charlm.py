@@ -137,8 +137,8 @@ def main() -> None:
     parser.add_argument("--elastic", action="store_true", help="fault tolerant DiLoCo over gradsync.elastic")
     parser.add_argument("--replica", type=int, default=0, help="with --elastic: this replica's data slot")
     args = parser.parse_args()
-    if args.elastic and (args.mode != "diloco" or args.island_size > 1 or args.error_feedback):
-        raise SystemExit("--elastic runs --mode diloco with plain replicas and no --error-feedback (docs/diloco.md)")
+    if args.elastic and (args.mode != "diloco" or args.island_size > 1):
+        raise SystemExit("--elastic runs --mode diloco with plain replicas (docs/diloco.md)")
 
     torch.set_num_threads(1)
     if args.elastic:
@@ -208,7 +208,7 @@ def elastic_main(args: argparse.Namespace, model: nn.Module, train: torch.Tensor
     outer = FaultTolerantDiLoCo(
         model, inner, args.sync_every, outer_optimizer=outer_optimizer, fragments=fragments_of(model, args),
         wire=args.wire,
-        delay=args.delay, alpha=args.alpha, merge=args.merge,
+        delay=args.delay, alpha=args.alpha, merge=args.merge, error_feedback=args.error_feedback,
         on_reconfigure=lambda rank, world, step: print(f"replica {args.replica}: now rank {rank} of {world} at "
                                                        f"step {step}", flush=True),
     )  # fmt: skip

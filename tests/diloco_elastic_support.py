@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from test_diloco_error_feedback import rounded  # int8 / int4 rounding written by hand
+
 from etcd_support import EtcdJob
 
 sys.path.insert(0, str(Path(__file__).parent / "jobs"))
@@ -70,8 +72,48 @@ def fragment_of_each_parameter(model: nn.Module, fragments: int) -> list[int]:
     return [layers.index(name.rpartition(".")[0]) % fragments for name, _ in model.named_parameters()]
 
 
+def lossy_average(
+    flats: list[torch.Tensor], contributors: list[str], wire: str, residuals: dict[str, list[torch.Tensor]] | None
+) -> torch.Tensor:
+    """The exchange of one fragment's outer gradients (in rank order) on a rounding wire, written from
+    docs/diloco.md: piece ``j`` summed by rank ``j`` from the decoded contributions, divided, rounded
+    back. ``residuals[uuid] = [sent, owned]`` (error feedback) are used and replaced in place."""
+    world, n = len(flats), flats[0].numel()
+    if residuals is not None:
+        for uuid in contributors:
+            residuals.setdefault(uuid, [torch.zeros(n), torch.zeros(n)])
+        flats = [f + residuals[u][0] for f, u in zip(flats, contributors)]
+    decoded = [[rounded(piece, wire) for piece in torch.tensor_split(f, world)] for f in flats]
+    if residuals is not None:
+        for f, mine, uuid in zip(flats, decoded, contributors):
+            residuals[uuid][0] = f - torch.cat(mine)
+    backs, start = [], 0
+    for j, owner in enumerate(contributors):
+        total = decoded[0][j].clone()
+        for r in range(1, world):
+            total.add_(decoded[r][j])
+        mean = total.div_(float(world))
+        size = mean.numel()
+        if residuals is not None:
+            mean.add_(residuals[owner][1][start : start + size])
+        back = rounded(mean, wire)
+        if residuals is not None:
+            owned = torch.zeros(n)
+            owned[start : start + size] = mean - back
+            residuals[owner][1] = owned
+        backs.append(back)
+        start += size
+    return torch.cat(backs)
+
+
 def replay(
-    out: Path, fragments: int, delay: int = 0, merge: str = "mix", alpha: float = 0.5
+    out: Path,
+    fragments: int,
+    delay: int = 0,
+    merge: str = "mix",
+    alpha: float = 0.5,
+    wire: str = "fp32",
+    error_feedback: bool = False,
 ) -> tuple[list[torch.Tensor], dict[str, nn.Module]]:
     """theta_global (flat, per fragment) and every replica's model after the committed outer steps.
 
@@ -89,6 +131,8 @@ def replay(
     outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
     replicas: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     done: dict[str, int] = {}  # inner steps each replica has taken
+    # error feedback: per fragment, per replica [sent, owned]; a joiner starts with none (zeros)
+    feedback: list[dict[str, list[torch.Tensor]]] | None = [{} for _ in range(fragments)] if error_feedback else None
 
     def advance(uuid: str, until: int) -> None:
         model, opt = replicas[uuid]
@@ -123,11 +167,17 @@ def replay(
             advance(uuid, start + delay)  # the inner steps taken while the exchange is in flight
         before = flat([theta[i] for i in synced])
         with torch.no_grad():
-            for j, i in enumerate(synced):
-                total = deltas[0][j].clone()
-                for delta in deltas[1:]:
-                    total.add_(delta[j])  # in rank order, as the exchange sums
-                theta[i].grad = total.div_(float(len(deltas)))
+            if wire == "fp32" and not error_feedback:
+                for j, i in enumerate(synced):
+                    total = deltas[0][j].clone()
+                    for delta in deltas[1:]:
+                        total.add_(delta[j])  # in rank order, as the exchange sums
+                    theta[i].grad = total.div_(float(len(deltas)))
+            else:
+                state = None if feedback is None else feedback[k % fragments]
+                average = lossy_average([flat(d) for d in deltas], commits[k], wire, state)
+                for i, values in zip(synced, average.split([theta[i].numel() for i in synced])):
+                    theta[i].grad = values.view_as(theta[i]).clone()
             outer.step()  # only the synced fragment's parameters have a gradient
             new = flat([theta[i] for i in synced])
             for uuid, delta in zip(commits[k], deltas):
@@ -163,10 +213,15 @@ def check(out: Path, results: list[dict], dead_at: int, bitwise: bool = True) ->
         check_bitwise(out, results)
 
 
-def check_bitwise(out: Path, results: list[dict], merge: str | None = None) -> None:
-    """Every replica against the replay; ``merge`` replays another merge than the run's (a negative control)."""
+def check_bitwise(out: Path, results: list[dict], merge: str | None = None, error_feedback: bool | None = None) -> None:
+    """Every replica against the replay; ``merge`` / ``error_feedback`` replay another setting than the
+    run's (negative controls)."""
     first = results[0]
-    theta, models = replay(out, first["fragments"], first.get("delay", 0), merge or first.get("merge", "mix"))
+    feedback = first.get("error_feedback", False) if error_feedback is None else error_feedback
+    theta, models = replay(
+        out, first["fragments"], first.get("delay", 0), merge or first.get("merge", "mix"), 0.5,
+        first.get("wire", "fp32"), feedback,
+    )  # fmt: skip
     for result in results:
         saved = torch.load(out / f"{result['name']}.pt")
         assert len(saved["theta"]) == len(theta)

@@ -27,25 +27,41 @@ pytestmark = pytest.mark.timeout(120)
     # it is the etcd test's case (and the benchmark's, 5 runs each on both stores). Streaming
     # (delay 1, H = 4, F = 2): fragment k % 2's exchange starts after inner step 2 (k + 1) and lands
     # one step later; "inner:10" kills after outer step 4's exchange started, before it landed.
-    "fault, fragments, delay, merge, dead_at",
+    "fault, fragments, delay, merge, wire, dead_at",
     [
-        (f"inner:{2 * H + 1}", 1, 0, "mix", 2),
-        ("exchange:3", 2, 0, "mix", 3),
-        ("inner:10", 2, 1, "mix", 4),
-        ("exchange:3", 2, 1, "keep_inner_steps", 3),
+        (f"inner:{2 * H + 1}", 1, 0, "mix", "fp32", 2),
+        ("exchange:3", 2, 0, "mix", "fp32", 3),
+        ("inner:10", 2, 1, "mix", "fp32", 4),
+        ("exchange:3", 2, 1, "keep_inner_steps", "fp32", 3),
+        ("inner:10", 2, 1, "keep_inner_steps", "int8-feedback", 4),
     ],
-    ids=["inner", "exchange-2-fragments", "streaming-in-flight", "streaming-exchange-keep"],
+    ids=["inner", "exchange-2-fragments", "streaming-in-flight", "streaming-exchange-keep", "streaming-int8-feedback"],
 )
 def test_survivors_lose_no_inner_step_and_the_restarted_replica_is_healed(
-    fault: str, fragments: int, delay: int, merge: str, dead_at: int, tmp_path: Path
+    fault: str, fragments: int, delay: int, merge: str, wire: str, dead_at: int, tmp_path: Path
 ) -> None:
-    name = f"diloco-{fault.replace(':', '-')}-{fragments}-{delay}"
+    name = f"diloco-{fault.replace(':', '-')}-{fragments}-{delay}-{wire}"
+    feedback = {"error_feedback": ""} if wire.endswith("-feedback") else {}
     job = DiLoCoJob(
         tmp_path, name, None, sync_every=H, steps=STEPS, await_joiner="", fragments=fragments, delay=delay,
-        merge=merge,
+        merge=merge, wire=wire.removesuffix("-feedback"), **feedback,
     )  # fmt: skip
     results = run_with_a_death(job, fault)
-    check(tmp_path, results, dead_at)
+    check(tmp_path, results, dead_at)  # bitwise against the replay, which rounds as the wire does
+    if feedback:
+        # The joiner starts with no residuals, its source had some; every replica has its own at the end.
+        commits = [json.loads(line) for r in results for line in (tmp_path / f"{r['name']}.jsonl").open()]
+        joined = next(c for c in commits if "joined" in c)
+        at_source = next(
+            c for c in commits if c["uuid"] == joined["source"] and c.get("outer_step") == joined["joined"] - 1
+        )
+        assert joined["residuals"] == 0.0 < at_source["residuals"], (joined, at_source)
+        assert all(
+            c["residuals"] > 0 for c in commits if c.get("outer_step") == max(c.get("outer_step", 0) for c in commits)
+        )
+        # Negative control: the replay without the feedback does not match.
+        with pytest.raises(AssertionError, match="parameters differ|theta_global differs"):
+            check_bitwise(tmp_path, results, error_feedback=False)
     # The exchange overlapped inner steps only where asked: after `delay` steps per outer step.
     for result in results:
         assert (result["in_flight_after_steps"] > 0) == (delay > 0), result
@@ -74,11 +90,10 @@ def test_on_etcd_the_training_thread_asks_the_store_nothing_between_outer_steps(
     etcd_cluster,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    # int8 on the wire: the replay does not re-implement its rounding, so this run is checked for
-    # everything but the replay's bits (theta_global and the outer state still bitwise equal everywhere).
+    # int8 on the wire: the replay rounds as the wire does (by hand), so this run is checked bitwise too.
     job = DiLoCoJob(tmp_path, "diloco-etcd", etcd_cluster, sync_every=H, steps=STEPS, await_joiner="", wire="int8")
     results = run_with_a_death(job, "exchange:2")
-    check(tmp_path, results, dead_at=2, bitwise=False)
+    check(tmp_path, results, dead_at=2)
     for result in results:
         counts = result["requests_after_step"]
         inner_only = [(a, b) for (_, a), (step, b) in zip(counts, counts[1:]) if step % H != 0]

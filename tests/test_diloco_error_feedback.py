@@ -127,7 +127,7 @@ def test_error_feedback_equals_the_simulation_written_from_the_note(world: int, 
     result = run_distributed(_train, world, 3, 12, wire, timeout_s=60)
     assert all(r["identical"] for r in result), result  # the same bits on every replica
     difference = result[0]
-    assert difference["both"] <= 1e-6, difference
+    assert difference["both"] == 0.0, difference  # bit for bit
     # negative controls: without feedback, or without the owners' half of it, theta_global ends elsewhere
     assert difference["none"] > 1e-4, difference
     assert difference["sender"] > 1e-4, difference

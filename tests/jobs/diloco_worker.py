@@ -48,6 +48,14 @@ def batch(slot: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, WIDTH, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
+def residual_norm(outer: FaultTolerantDiLoCo) -> float:
+    """The sum of |residual| over this process's error-feedback residuals (0 without feedback)."""
+    feedback = outer.outer.feedback
+    if feedback is None:
+        return 0.0
+    return sum(float(r.sent.abs().sum() + r.owned.abs().sum()) for r in feedback.residuals)
+
+
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -68,6 +76,7 @@ def main() -> None:
     p.add_argument("--wire", default="fp32")
     p.add_argument("--delay", type=int, default=0)
     p.add_argument("--merge", default="mix")
+    p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--await-joiner", action="store_true", help="also run until a joiner took part in 2 outer steps")
     p.add_argument("--out", required=True)
@@ -90,7 +99,7 @@ def main() -> None:
     joiner = run.joining
     outer = FaultTolerantDiLoCo(
         model, inner, sync_every=args.sync_every, fragments=args.fragments, wire=args.wire, delay=args.delay,
-        merge=args.merge,
+        merge=args.merge, error_feedback=args.error_feedback,
     )  # fmt: skip
     if phase == "exchange":
         _die_in_exchange(outer, at)
@@ -99,6 +108,7 @@ def main() -> None:
     if joiner:
         healed = run.history[-1]
         entry = {**me, "joined": outer.outer_steps, "source": healed["healed_from"], "t": time.time()}
+        entry["residuals"] = residual_norm(outer)
         log.write(json.dumps(entry) + "\n")
         log.flush()
 
@@ -122,6 +132,7 @@ def main() -> None:
         in_flight_after_steps += outer.exchange_in_flight
         if outer.outer_steps == before + 1:
             entry = {**me, "outer_step": before, "contributors": outer.contributors, "t": time.time()}
+            entry["residuals"] = residual_norm(outer)
             log.write(json.dumps(entry) + "\n")
             log.flush()
         time.sleep(args.sleep)
@@ -140,6 +151,8 @@ def main() -> None:
         "delay": args.delay,
         "in_flight_after_steps": in_flight_after_steps,
         "merge": args.merge,
+        "wire": args.wire,
+        "error_feedback": args.error_feedback,
     }
     state = {"model": model.state_dict(), "theta": [t.detach().clone() for t in outer.outer.global_parameters]}
     torch.save(state, out / f"{args.name}.pt")

@@ -58,6 +58,10 @@ class ErrorFeedback:
         """The exchange that computed ``residuals`` was applied: they are the fragment's from now on."""
         self.residuals[fragment] = residuals
 
+    def reset(self) -> None:
+        """No residuals: a process that has rounded nothing yet (a replica healed from another)."""
+        self.residuals = [Residuals(torch.zeros_like(r.sent), torch.zeros_like(r.owned)) for r in self.residuals]
+
     def state_dict(self) -> list[dict[str, torch.Tensor]]:
         return [{"sent": r.sent.clone(), "owned": r.owned.clone()} for r in self.residuals]
 

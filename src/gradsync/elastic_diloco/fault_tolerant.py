@@ -23,6 +23,16 @@ source's moments were accumulated at the same ``theta_global`` on the same distr
 copy, not the joiner's own history: the joiner's data from then on is its own.
 After every heal the members compare a fingerprint of ``theta_global`` and the outer optimizer's
 state (observability/divergence.py); a difference raises.
+
+[Note: error feedback when replicas come and go]
+With ``error_feedback=True`` each process holds what its own rounding removed, as sender and as
+owner of a piece of the average (diloco/error_feedback.py). They are committed only with an
+applied average, so a redo among the survivors starts from the same residuals; over a smaller
+group a process owns another piece and keeps only the part of its owner residual that falls in
+it, as DiLoCo does when fewer replicas contribute. A joiner starts with none: it has rounded
+nothing, and its source's, copied, would send the same delayed components twice. What a dead
+replica held is lost with it: at most half a step of each chunk's scale of its last
+contribution and of the piece it last owned, beside the whole round of inner steps it loses.
 """
 
 from __future__ import annotations
@@ -60,7 +70,8 @@ class FaultTolerantDiLoCo:
     data position). ``on_reconfigure(rank, world_size, inner_step)`` is called after every change of
     membership, on every member. ``delay``, ``alpha`` and ``merge`` are DiLoCo's (Streaming DiLoCo): a
     fragment's exchange overlaps the next ``delay`` inner steps and is decided at its landing
-    ([Note: a death while an exchange is in flight] in committed_exchange.py).
+    ([Note: a death while an exchange is in flight] in committed_exchange.py). ``error_feedback`` is
+    DiLoCo's too ([Note: error feedback when replicas come and go]).
     """
 
     def __init__(
@@ -78,6 +89,7 @@ class FaultTolerantDiLoCo:
         delay: int = 0,
         alpha: float = 0.5,
         merge: str = "mix",
+        error_feedback: bool = False,
     ) -> None:
         if isinstance(model, DataParallelWrapper):
             raise ValueError(
@@ -87,7 +99,8 @@ class FaultTolerantDiLoCo:
             )
         self.run = run if run is not None else current()
         self.outer = DiLoCo(
-            model, inner_optimizer, sync_every, outer_optimizer, fragments, delay, alpha, wire, merge=merge
+            model, inner_optimizer, sync_every, outer_optimizer, fragments, delay, alpha, wire, merge=merge,
+            error_feedback=error_feedback,
         )  # fmt: skip
         self.module = self.outer.module
         self.inner = inner_optimizer
@@ -246,6 +259,10 @@ class FaultTolerantDiLoCo:
     def _load(self, state: dict[str, Any]) -> None:
         heal.load(self.module, self.inner, {"model": state["model"], "optimizer": state["inner"]})
         self.outer.load_state_dict(state["outer"])
+        if self.outer.feedback is not None:
+            # Residuals are what this process's own rounding removed: a joiner has rounded nothing, and the
+            # source's, copied, would be sent twice ([Note: error feedback when replicas come and go]).
+            self.outer.feedback.reset()
         for name, obj in self.extra_state.items():
             obj.load_state_dict(state["extra"][name])
         self.outer_steps = int(state["outer_steps"])
