@@ -66,6 +66,7 @@ def simulate(
     by_contributors: bool = True,
     merge: str = "mix",
     fragment_of: dict[str, int] | None = None,
+    average_buffers: bool = False,
 ) -> tuple[list[nn.Module], dict[str, torch.Tensor]]:
     """All replicas in one process, one tensor per parameter: Streaming DiLoCo as the papers state it.
 
@@ -75,7 +76,8 @@ def simulate(
     exchanges in a row that started with every replica out of data. ``merge="keep_inner_steps"``: at
     landing each replica's fragment becomes the new theta_global plus what it moved since the exchange
     started (its parameters at the start are copied then). ``fragment_of``: parameter name -> fragment,
-    for fragments the user names (default: layer i in fragment i % F).
+    for fragments the user names (default: layer i in fragment i % F). ``average_buffers``: when the
+    last fragment of a round lands, floating buffers become the replicas' mean, others replica 0's.
     """
     steps_of = steps_of or [steps] * len(models)
     inners = [inner(m.parameters()) for m in models]
@@ -107,6 +109,13 @@ def simulate(
             p, _, grads, active, at_start = in_flight
             quiet = 0 if active else quiet + 1
             in_flight = None
+            if average_buffers and p == F - 1:
+                with torch.no_grad():
+                    for name, buffer in models[0].named_buffers():
+                        each = [dict(m.named_buffers())[name] for m in models]
+                        value = sum(b.float() for b in each) / len(each) if buffer.is_floating_point() else buffer
+                        for b in each:
+                            b.copy_(value)
             if grads is None:
                 continue
             for n, g in grads.items():

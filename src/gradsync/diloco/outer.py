@@ -37,6 +37,7 @@ from torch import nn
 from ..collectives.broadcast import broadcast_coalesced
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import checks, topology
+from .buffers import BufferAverage
 from .error_feedback import ErrorFeedback, Residuals, slice_length
 from .exchange import Averaged, OuterExchange, PendingAverage, WireCount
 from .fragments import Schedule
@@ -75,6 +76,8 @@ class DiLoCo:
     names] in outer_params.py).
     ``exchange`` is whatever averages outer gradients (``start``/``finished``/``close``/``count``):
     gradsync.elastic_diloco replaces it with one decided together and redone among survivors.
+    ``buffers``: ``"average"`` makes the model's buffers (BatchNorm's statistics) agree across replicas
+    once a round, ``"local"`` leaves each replica its own ([Note: buffers at outer steps] in buffers.py).
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class DiLoCo:
         *,
         merge: str = "mix",
         error_feedback: bool = False,
+        buffers: str = "average",
     ) -> None:
         checks.check_model(model)
         checks.check_inner_optimizer(model, inner_optimizer)
@@ -103,6 +107,7 @@ class DiLoCo:
         self.inner = inner_optimizer
         self.alpha = float(alpha)
         self.merge = merge
+        self.buffers = BufferAverage(self.module, buffers)  # checks the mode before any collective
         self.topology = _topology(self.island, group, own_groups=delay > 0)
         # Every replica starts from the same point: outer rank 0's parameters and buffers.
         start = list(self.module.parameters()) + list(self.module.buffers())
@@ -117,7 +122,7 @@ class DiLoCo:
         )
         self.outer_optimizer = (outer_optimizer or nesterov)([f.theta for f in self.fragments])
         checks.check_outer_optimizer(self.outer_optimizer)
-        agreed = {**self._description(), "alpha": self.alpha, "merge": merge}
+        agreed = {**self._description(), "alpha": self.alpha, "merge": merge, "buffers": buffers}
         agreed["outer"] = type(self.outer_optimizer).__name__
         agreed["sizes"] = [(f.numel, str(f.theta.dtype)) for f in self.fragments]
         groups = [self.topology.outer] + ([self.topology.island] if self.topology.island is not None else [])
@@ -210,6 +215,8 @@ class DiLoCo:
                     self.feedback.commit(landing, averaged.residuals)
                 if self._uneven is not None:
                     self._uneven.landed(averaged.active)
+                if landing == self.schedule.fragments - 1 and self.buffers.to_average:  # once a round, none in flight
+                    self.buffers.average(self.topology.outer, self.topology.source)
 
     def _wait(self) -> Averaged:
         in_flight = self._in_flight
@@ -350,6 +357,7 @@ class LocalSGD(DiLoCo):
         *,
         merge: str = "mix",
         error_feedback: bool = False,
+        buffers: str = "average",
     ) -> None:
         super().__init__(
             model,
@@ -363,6 +371,7 @@ class LocalSGD(DiLoCo):
             group,
             merge=merge,
             error_feedback=error_feedback,
+            buffers=buffers,
         )
 
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..diloco import topology as diloco_topology
+from ..diloco.buffers import persistent_buffers
 from ..diloco.exchange import WireCount
 from ..diloco.outer import DiLoCo, OuterOptimizerFactory
 from ..elastic import heal, membership
@@ -71,7 +72,10 @@ class FaultTolerantDiLoCo:
     membership, on every member. ``delay``, ``alpha`` and ``merge`` are DiLoCo's (Streaming DiLoCo): a
     fragment's exchange overlaps the next ``delay`` inner steps and is decided at its landing
     ([Note: a death while an exchange is in flight] in committed_exchange.py). ``error_feedback`` is
-    DiLoCo's too ([Note: error feedback when replicas come and go]).
+    DiLoCo's too ([Note: error feedback when replicas come and go]). ``buffers``: a model with (persistent)
+    buffers needs ``buffers="local"`` here (each replica keeps its own; a replacement is healed with its
+    source's): averaging them would be a second collective per round outside the decided exchange,
+    which a death would break.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class FaultTolerantDiLoCo:
         alpha: float = 0.5,
         merge: str = "mix",
         error_feedback: bool = False,
+        buffers: str = "average",
     ) -> None:
         if isinstance(model, DataParallelWrapper):
             raise ValueError(
@@ -97,10 +102,17 @@ class FaultTolerantDiLoCo:
                 "Islands (a DistributedDataParallel per island) are not supported in the fault-tolerant mode; use "
                 "gradsync.diloco.DiLoCo for them, or one replica per process here."
             )
+        named_buffers = [name for name, _ in persistent_buffers(model)]
+        if buffers == "average" and named_buffers:
+            raise ValueError(
+                f"FaultTolerantDiLoCo does not average buffers across replicas (rank {dist.get_rank()}): the model "
+                f"has {named_buffers[:4]}{' ...' if len(named_buffers) > 4 else ''}. Pass buffers='local' to keep "
+                "each replica's own (a replacement is healed with its source's), or use gradsync.diloco.DiLoCo."
+            )
         self.run = run if run is not None else current()
         self.outer = DiLoCo(
             model, inner_optimizer, sync_every, outer_optimizer, fragments, delay, alpha, wire, merge=merge,
-            error_feedback=error_feedback,
+            error_feedback=error_feedback, buffers=buffers,
         )  # fmt: skip
         self.module = self.outer.module
         self.inner = inner_optimizer
