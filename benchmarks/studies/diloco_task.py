@@ -27,7 +27,9 @@ replica alone: the floor of a step's time), DiLoCo H = 50 (outer Nesterov 0.7 / 
 int8, Streaming DiLoCo H = 50, F = 2, delay 2, int8 with the paper's merge (alpha = 0.5) and with
 ``merge="keep_inner_steps"``; with ``--contenders``, also Streaming with
 F = 2 and delay 0 or 2 in fp32 (to tell apart what the fragments, the delay and the wire cost), and
-int8 DiLoCo and Streaming (keep_inner_steps) with ``error_feedback=True``.
+int8 DiLoCo and Streaming (keep_inner_steps) with ``error_feedback=True``, int4 DiLoCo with and
+without it, and Streaming (keep_inner_steps) with its two fragments named by transformer block (the
+embeddings with block 0, the final norm and head with block 1) instead of strided over layers.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ CONTENDERS: dict[str, dict[str, Any] | None] = {
         "merge": "keep_inner_steps",
         "error_feedback": True,
     },
+    # Only with --contenders: fragments named by transformer block (examples/train_charlm.py --fragment-by block)
+    # instead of strided over layers.
+    STREAMING_KEEP + " by block": {"fragments": "block", "delay": 2, "wire": "int8", "merge": "keep_inner_steps"},
     # Only with --contenders: the 4-bit wire, without and with error feedback.
     "DiLoCo H=50 int4": {"fragments": 1, "delay": 0, "wire": "int4"},
     "DiLoCo H=50 int4 error_feedback": {"fragments": 1, "delay": 0, "wire": "int4", "error_feedback": True},
@@ -120,6 +125,9 @@ def train(
     model = charlm.CharLM(vocabulary, 128, 2)
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     knobs = CONTENDERS[name]
+    if knobs and knobs["fragments"] == "block":
+        by_block = argparse.Namespace(fragment_by="block", fragments=2)
+        knobs = {**knobs, "fragments": charlm.fragments_of(model, by_block)}
     replica = model if island is None else DDP(model, process_group=island)
     if knobs == {}:  # each replica alone: the floor of a step's time, and what one replica learns by itself
         trained = replica
@@ -292,6 +300,7 @@ CRITERIA = [
     (STREAMING_KEEP, ["DiLoCo H=50 int8", "DiLoCo H=50 fp32"], 0.01),
     ("DiLoCo H=50 int8 error_feedback", ["DiLoCo H=50 fp32"], 0.005),
     (STREAMING_KEEP + " error_feedback", ["DiLoCo H=50 int8 error_feedback", "DiLoCo H=50 fp32"], 0.01),
+    (STREAMING_KEEP + " by block", ["DiLoCo H=50 int8", "DiLoCo H=50 fp32"], 0.01),
     # Not the issue's: int8's bound held to the 4-bit wire.
     ("DiLoCo H=50 int4", ["DiLoCo H=50 fp32"], 0.005),
     ("DiLoCo H=50 int4 error_feedback", ["DiLoCo H=50 fp32"], 0.005),
