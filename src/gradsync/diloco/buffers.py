@@ -47,7 +47,6 @@ class BufferAverage:
         named = persistent_buffers(module) if mode == "average" else []
         self.floating = [b for _, b in named if b.is_floating_point()]
         self.counters = [b for _, b in named if not b.is_floating_point()]
-        self.names = [n for n, _ in named]
         self.sent_bytes = 0  # handed to the collectives, all rounds (a ring all-reduce moves about twice that)
 
     @property
