@@ -16,9 +16,16 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from emulated_group import EmulatedGroup
 from gradsync import DistributedDataParallel as DDP
+from gradsync.cuda.current_stream import KNOWN_STREAMS_MAX, CurrentStream
 from gradsync.engine.streams import StreamOrder, stream_order_for
-from gradsync.observability.cuda_clock import MAX_PENDING, CudaClock, cuda_clock_for
-from gradsync.observability.timing import IterationTimes
+from gradsync.observability.cuda_clock import (
+    FULL_PASS_EVERY,
+    FULL_PASSES_FIRST,
+    MAX_PENDING,
+    CudaClock,
+    cuda_clock_for,
+)
+from gradsync.observability.timing import IterationTimes, RunningStats
 from gradsync.wrapper.device import move_to_device, tensor_to_device
 from gradsync.zero import ShardedOptimizer
 
@@ -113,6 +120,19 @@ def test_launch_waits_for_every_other_producer_of_its_bucket_only() -> None:
     streams.use("default")
     order.wait_for_producers(0)
     assert order.waits == 2
+
+
+def test_current_stream_keys_each_stream_and_keeps_a_bounded_cache() -> None:
+    streams = Streams()
+    current = CurrentStream(CPU, streams)
+    assert current.key() is streams.by_name["default"] and current.stream() is streams.by_name["default"]
+    streams.use("side1")
+    key = current.key()
+    assert key is streams.by_name["side1"] and current.stream(key) is streams.by_name["side1"]
+    for n in range(2 * KNOWN_STREAMS_MAX):  # many short-lived streams: the cache starts over, never grows past its cap
+        streams.current = FakeStream(f"s{n}")
+        assert current.stream() is streams.current
+        assert len(current._known) <= KNOWN_STREAMS_MAX
 
 
 def test_nothing_cuda_on_cpu() -> None:
@@ -253,6 +273,42 @@ def _watch_every_kind_of_pending() -> bool:
 
 def test_clock_finds_the_future_of_every_kind_of_pending_reduction() -> None:
     assert run_distributed(_watch_every_kind_of_pending, 1) == [True]
+
+
+def test_clock_samples_bucket_completions_but_times_the_last_bucket_every_pass() -> None:
+    """[Note: sampled bucket completions]: every bucket on the first passes and one pass in
+    FULL_PASS_EVERY; otherwise the last bucket only, which still gives the communication window."""
+    clock, _ = _clock()
+    delivered: list[IterationTimes] = []
+    passes = FULL_PASS_EVERY + 2  # 0 .. FULL_PASS_EVERY + 1: sampled passes 0-7 and 32
+    for _ in range(passes):
+        _one_pass(clock, delivered, buckets=3)
+    assert len(delivered) == passes
+    every_bucket = {n for n in range(passes) if n < FULL_PASSES_FIRST or n % FULL_PASS_EVERY == 0}
+    assert FULL_PASSES_FIRST in range(passes) and FULL_PASSES_FIRST not in every_bucket  # sampling happens
+    for n, times in enumerate(delivered):
+        assert times.bucket_done[2] > times.bucket_launch[2] > 0, f"pass {n}: the last bucket is always timed"
+        assert times.reductions_done == times.bucket_done[2] and times.comm_s > 0, f"pass {n}"
+        if n in every_bucket:
+            assert all(times.bucket_done) and times.bucket_untimed == [], f"pass {n}"
+        else:
+            assert times.bucket_done[:2] == [0.0, 0.0] and times.bucket_untimed == [0, 1], f"pass {n}"
+    running = RunningStats()
+    for times in delivered:
+        running.add(times, 0, ())
+    assert running.bucket_launches == [passes] * 3  # every completed reduction counts
+    assert running.bucket_timed == [len(every_bucket), len(every_bucket), passes]
+    sampled = [t.bucket_done[0] - t.bucket_launch[0] for n, t in enumerate(delivered) if n in every_bucket]
+    assert abs(running.average_reduce_s(0) - sum(sampled) / len(sampled)) < 1e-12  # over the timed ones only
+
+
+def test_clock_times_every_bucket_while_a_timeline_is_traced() -> None:
+    clock, _ = _clock()
+    clock.every_bucket_always = True
+    delivered: list[IterationTimes] = []
+    for _ in range(FULL_PASSES_FIRST + 2):
+        _one_pass(clock, delivered, buckets=3)
+    assert all(all(times.bucket_done) and not times.bucket_untimed for times in delivered)
 
 
 def test_captured_pass_keeps_host_times() -> None:

@@ -69,6 +69,8 @@ class Records:
         """Start or stop tracing; on CUDA a trace that ends first takes in the iterations still on the GPU."""
         if timeline is None and self.clock is not None:
             self.clock.collect(wait=True)
+        if self.clock is not None:  # a timeline draws every bucket's completion on every pass
+            self.clock.every_bucket_always = timeline is not None
         self._timeline = timeline
 
     def collect(self) -> None:
@@ -98,7 +100,7 @@ def collect_stats(
 ) -> DDPStats:
     records.collect()
     running = records.running
-    launches, seconds = running.bucket_launches, running.bucket_s
+    launches = running.bucket_launches
     infos = tuple(
         BucketInfo(
             index=b,
@@ -108,7 +110,7 @@ def collect_stats(
             parameter_names=tuple(names[i] for i in storage.param_indices),
             sparse=storage.sparse,
             launches=launches[b] if b < len(launches) else 0,
-            avg_reduce_s=seconds[b] / launches[b] if b < len(launches) and launches[b] else 0.0,
+            avg_reduce_s=running.average_reduce_s(b),
         )
         for b, storage in enumerate(buckets.storages)
     )

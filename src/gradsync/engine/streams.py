@@ -14,7 +14,9 @@ written: wrong averages with no error. torch's C++ reducer has this hole too (it
 
 So each hook notes its current stream, per bucket, and the launch makes the launching stream wait
 (``wait_stream``: an event on the GPU, no host synchronisation) for every noted stream that is not
-itself. With one stream, the common case, nothing is waited for: a comparison per bucket.
+itself. With one stream, the common case, nothing is waited for: a comparison per bucket. The stream
+is told by an int (``CurrentStream.key``, gradsync/cuda/current_stream.py), not by building a
+``Stream`` object in every hook, which cost a few percent of a host-bound step.
 
 Which stream a hook runs on depends on who holds the parameter's AccumulateGrad node. A node nobody
 holds is made again in every forward, on the stream current there, so hooks follow the forward's
@@ -37,53 +39,57 @@ its hot path pays one ``is None`` check.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 
-CurrentStream = Callable[[torch.device], Any]
+from gradsync.cuda.current_stream import CurrentStream
+
+CurrentStreamFn = Callable[[torch.device], Any]
 
 
 class StreamOrder:
     """Which streams produced each bucket's gradients in this backward, and the waits its launch needs.
 
-    ``current_stream(device)`` is ``torch.cuda.current_stream`` unless a test passes fakes: anything
-    with ``==`` and ``wait_stream`` will do.
+    ``current_stream(device)`` is for tests without a GPU (anything with ``wait_stream`` will do as a
+    stream); otherwise the current stream is told by ``CurrentStream``'s cheap key.
     """
 
-    __slots__ = ("device", "_current_stream", "_bucket_of", "_producers", "waits")
+    __slots__ = ("device", "current", "_bucket_of", "_producers", "waits")
 
-    def __init__(self, device: torch.device, current_stream: CurrentStream | None = None) -> None:
+    def __init__(self, device: torch.device, current_stream: CurrentStreamFn | None = None) -> None:
         self.device = device
-        self._current_stream = current_stream or torch.cuda.current_stream
+        self.current = CurrentStream(device, current_stream)
         self._bucket_of: Sequence[int] = ()
-        self._producers: list[list[Any]] = []  # per bucket: the distinct streams its hooks ran on
+        self._producers: list[dict[Hashable, Any]] = []  # per bucket: the streams its hooks ran on, by key
         self.waits = 0  # wait_stream calls so far (tests: none when everything ran on one stream)
 
     def begin_pass(self, bucket_of: Sequence[int], num_buckets: int) -> None:
         """A new backward (or new buckets): nothing noted yet."""
         self._bucket_of = bucket_of
-        self._producers = [[] for _ in range(num_buckets)]
+        self._producers = [{} for _ in range(num_buckets)]
 
     def note(self, index: int) -> None:
         """Parameter ``index``'s gradient was accumulated on the current stream (called from its hook)."""
-        stream = self._current_stream(self.device)
+        key = self.current.key()
         seen = self._producers[self._bucket_of[index]]
-        if stream not in seen:  # a list of one or two: faster than hashing a stream
-            seen.append(stream)
+        if key not in seen:
+            seen[key] = self.current.stream(key)
 
-    def other_producers(self, b: int) -> tuple[Any, list[Any]]:
-        """The current stream, and the streams besides it that produced one of bucket ``b``'s gradients."""
-        current = self._current_stream(self.device)
-        return current, [stream for stream in self._producers[b] if stream != current]
+    def other_producers(self, b: int) -> list[Any]:
+        """The streams besides the current one that produced one of bucket ``b``'s gradients."""
+        key = self.current.key()
+        return [stream for k, stream in self._producers[b].items() if k != key]
 
     def wait_for_producers(self, b: int) -> None:
         """Before bucket ``b`` is copied in and launched: the current stream waits for every other producer."""
-        current, others = self.other_producers(b)
-        for stream in others:
-            current.wait_stream(stream)
-        self.waits += len(others)
+        others = self.other_producers(b)
+        if others:
+            current = self.current.stream()
+            for stream in others:
+                current.wait_stream(stream)
+            self.waits += len(others)
 
 
 def stream_order_for(device: torch.device) -> StreamOrder | None:

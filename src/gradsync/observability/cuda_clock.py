@@ -9,10 +9,23 @@ So on CUDA the engine records events where it takes timestamps on CPU (timing.py
 
 - forward start and end, backward start (the first gradient hook), each bucket's launch and the end
   of backward (finalize start and end), on the stream current there;
-- each bucket's completion from a done-callback on its work's future: torch runs such callbacks with
+- a bucket's completion from a done-callback on its work's future: torch runs such callbacks with
   the current stream set to one that waited for the collective (``torch.futures.Future.then``'s
   contract for CUDA futures), so the event lands exactly where the reduction ended, not where the
   caller's stream next looked.
+
+[Note: sampled bucket completions]
+A Python callback on an NCCL work's future is not free: measured on an H200 (GPT-2 small, batch
+8 x 1024, 14 buckets; benchmarks/results/2026-12-04-gpu-step.md), one per bucket made the step
+1.020x torch's DDP where the same reducer without them ran at 0.985x: the callback's owner is released
+later on a C++ thread that must take the GIL from the training loop. So the completion is watched on
+every pass for the *last* bucket only (collectives of one group run in launch order on one stream, so
+its completion is when every reduction ended: the communication window and the exposed communication
+stay exact on every pass), and for every bucket on the first ``FULL_PASSES_FIRST`` timed passes, then
+one in ``FULL_PASS_EVERY`` (and on every pass while a timeline is traced, which watches every bucket
+on the host anyway). A bucket's average reduce time in ``stats()`` is over the passes that timed it;
+its ``launches`` count every completed reduction. torch's DDP samples its runtime statistics too,
+one iteration in 100 (``kDDPRuntimeLoggingSampleRate``).
 
 Events are read without stalling the next iteration: a finished backward's events are kept until
 ``query()`` says every one of them has run, then turned into an ``IterationTimes`` on the host
@@ -27,7 +40,7 @@ ready (zeroed on CUDA, so the timeline draws no wait before a launch). Under CUD
 nothing is recorded: a captured pass keeps its host times.
 
 torch's reducer does the same with five events per iteration (``reducer_cuda.cpp``'s ``CudaTimer``),
-read at the next forward; gradsync adds two per bucket.
+read at the next forward; gradsync adds one per bucket launch and one per watched completion.
 """
 
 from __future__ import annotations
@@ -39,9 +52,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.cuda.current_stream import CurrentStream
+
 from .timing import IterationTimes, now
 
 MAX_PENDING = 8  # finished backwards whose events may be outstanding before the oldest is waited for
+FULL_PASSES_FIRST = 8  # timed passes that watch every bucket's completion before sampling starts
+FULL_PASS_EVERY = 32  # after those, one timed pass in this many watches every bucket ([Note: sampled ...])
 
 
 class PassEvents:
@@ -56,9 +73,11 @@ class PassEvents:
         "bucket_launch",
         "bucket_done",
         "watched",
+        "untimed",
+        "every_bucket",
     )
 
-    def __init__(self, num_buckets: int, forward: tuple[Any, Any]) -> None:
+    def __init__(self, num_buckets: int, forward: tuple[Any, Any], every_bucket: bool = True) -> None:
         self.forward_start, self.forward_end = forward
         self.backward_start: Any = None
         self.finalize_start: Any = None
@@ -66,6 +85,8 @@ class PassEvents:
         self.bucket_launch: list[Any] = [None] * num_buckets
         self.bucket_done: list[Any] = [None] * num_buckets  # set by the completion callback
         self.watched: list[int] = []  # buckets whose completion callback was registered
+        self.untimed: list[int] = []  # buckets reduced whose completion this pass does not time
+        self.every_bucket = every_bucket  # False: only the last bucket's completion is timed
 
     def recorded(self) -> list[Any]:
         fixed = [self.forward_start, self.forward_end, self.backward_start, self.finalize_start, self.finalize_end]
@@ -93,22 +114,24 @@ class CudaClock:
     ) -> None:
         self.device = device
         self._new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
-        self._current_stream = current_stream or torch.cuda.current_stream
+        self._current = CurrentStream(device, current_stream)
         self._capturing = capturing or torch.cuda.is_current_stream_capturing
         self._free: list[Any] = []  # events of resolved passes, reused
+        self._timed_passes = 0  # passes begun with events, for [Note: sampled bucket completions]
+        self.every_bucket_always = False  # set while a timeline is traced: every completion timed
         self._forward: list[Any] = [None, None]  # the next pass's forward start and end
         self.current: PassEvents | None = None  # None: this pass is not timed (captured, or not begun)
         self._pending: deque[tuple[PassEvents, IterationTimes, Callable[[IterationTimes], None]]] = deque()
         # The anchor: host time of one event known to have run, so events map onto perf_counter seconds.
         self._anchor = self._new_event()
-        self._anchor.record(self._current_stream(device))
+        self._anchor.record(self._current.stream())
         self._anchor.synchronize()
         self._anchor_s = now()
 
     # ------------------------------------------------------------------ recording
     def _mark(self) -> Any:
         event = self._free.pop() if self._free else self._new_event()
-        event.record(self._current_stream(self.device))
+        event.record(self._current.stream())
         return event
 
     def forward_started(self) -> None:
@@ -121,7 +144,13 @@ class CudaClock:
     def begin_pass(self, num_buckets: int) -> None:
         forward = (self._forward[0], self._forward[1]) if self._forward[1] is not None else (None, None)
         self._forward = [None, None]
-        self.current = None if self._capturing() else PassEvents(num_buckets, forward)
+        if self._capturing():
+            self.current = None
+            return
+        n = self._timed_passes
+        self._timed_passes += 1
+        every_bucket = self.every_bucket_always or n < FULL_PASSES_FIRST or n % FULL_PASS_EVERY == 0
+        self.current = PassEvents(num_buckets, forward, every_bucket)
 
     def backward_started(self) -> None:
         if self.current is not None:
@@ -133,16 +162,20 @@ class CudaClock:
             self.current.bucket_launch[b] = self._mark()
 
     def watch(self, b: int, pending: Any) -> None:
-        """Record bucket ``b``'s completion from its work's (or comm hook's) future."""
+        """Record bucket ``b``'s completion from its work's (or comm hook's) future, where this pass times
+        it ([Note: sampled bucket completions]): the last bucket always, the others on sampled passes."""
         events = self.current
         future = None if events is None else _future_of(pending)
         if future is None:
             return  # untimed pass, nothing started, or a reduction that exposes no future: no completion event
+        if not events.every_bucket and b != len(events.bucket_done) - 1:
+            events.untimed.append(b)
+            return
         event = self._free.pop() if self._free else self._new_event()
-        device, current_stream = self.device, self._current_stream
+        current = self._current
 
         def done(_: Any) -> None:
-            event.record(current_stream(device))  # on the stream torch synchronised with the collective
+            event.record(current.stream())  # on the stream torch synchronised with the collective
             events.bucket_done[b] = event
 
         events.watched.append(b)
@@ -194,6 +227,7 @@ class CudaClock:
         times.finalize_start = seconds(start) if start is not None else times.backward_start
         times.finalize_end = seconds(events.finalize_end)
         done_times = []
+        times.bucket_untimed = events.untimed
         for b, (launch, done) in enumerate(zip(events.bucket_launch, events.bucket_done)):
             times.bucket_ready[b] = 0.0
             times.bucket_launch[b] = seconds(launch) if launch is not None else 0.0

@@ -25,7 +25,9 @@ class BucketInfo:
     parameter_names: tuple[str, ...]
     sparse: bool
     launches: int = 0  # reductions of this bucket completed
-    avg_reduce_s: float = 0.0  # from its launch until its completion was seen (callback or wait)
+    # From its launch until its completion was seen (callback or wait), averaged over the reductions timed:
+    # all of them on CPU, a sample on CUDA ([Note: sampled bucket completions] in cuda_clock.py).
+    avg_reduce_s: float = 0.0
 
 
 @dataclass(frozen=True)

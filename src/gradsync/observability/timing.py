@@ -29,6 +29,8 @@ class IterationTimes:
     bucket_ready: list[float] = field(default_factory=list)
     bucket_launch: list[float] = field(default_factory=list)
     bucket_done: list[float] = field(default_factory=list)  # completion seen (callback or wait)
+    # Reduced, but this pass did not time their completion (CUDA's sampling: cuda_clock.py); bucket_done 0.0.
+    bucket_untimed: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.bucket_ready = [0.0] * self.num_buckets
@@ -64,10 +66,12 @@ class RunningStats:
     total_bytes: int = 0
     last_unused: tuple[str, ...] = ()
     bucket_launches: list[int] = field(default_factory=list)  # reductions completed, per bucket
+    bucket_timed: list[int] = field(default_factory=list)  # of those, the ones whose completion was timed
     bucket_s: list[float] = field(default_factory=list)  # summed launch -> completion seen, per bucket
 
     def new_layout(self, num_buckets: int) -> None:
         self.bucket_launches = [0] * num_buckets
+        self.bucket_timed = [0] * num_buckets
         self.bucket_s = [0.0] * num_buckets
 
     def add(self, times: IterationTimes, nbytes: int, unused: tuple[str, ...]) -> None:
@@ -85,7 +89,15 @@ class RunningStats:
         for b, (launch, done) in enumerate(zip(times.bucket_launch, times.bucket_done)):
             if done:  # a bucket skipped (unused, or after a failure) has a launch time but no completion
                 self.bucket_launches[b] += 1
+                self.bucket_timed[b] += 1
                 self.bucket_s[b] += max(done - launch, 0.0)
+        for b in times.bucket_untimed:
+            self.bucket_launches[b] += 1
+
+    def average_reduce_s(self, b: int) -> float:
+        """Bucket ``b``'s mean time from launch to completion, over the reductions that were timed."""
+        timed = self.bucket_timed[b] if b < len(self.bucket_timed) else 0
+        return self.bucket_s[b] / timed if timed else 0.0
 
     def average(self, total: float) -> float:
         return total / self.iterations if self.iterations else 0.0

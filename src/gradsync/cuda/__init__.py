@@ -1,0 +1,1 @@
+"""What gradsync asks of CUDA itself, below every other layer: which stream is current, cheaply."""
