@@ -46,6 +46,7 @@ STUDIES: dict[str, tuple[str, bool, str]] = {
     "diloco_task": (TORCHRUN, True, " --steps N --seeds S ..."),
     "diloco_faults": (LAUNCHER, False, " --runs 5 --stores tcp,etcd"),
     "gpu_step": (SINGLE, False, ""),
+    "gpu_host_profile": (SINGLE, False, ""),
 }
 HEADLINE = "iteration"  # make bench
 

@@ -9,8 +9,9 @@ without CUDA it says so and exits 0. tests/gpu/run_on_device.sh runs it with ``-
 
 The model: GPT-2 small's shape (12 layers x 768, 12 heads, vocabulary 50257, context 1024, tied
 embeddings, 124 M parameters), bf16 autocast, SDPA attention, random tokens, fused AdamW. At world size
-1 NCCL's all-reduce is a device-to-device copy, so what separates the contenders is each reducer's own
-cost: hooks, bucket copies, launches and the end of backward, in Python for gradsync, in C++ for torch.
+1 NCCL's all-reduce is at most a device-to-device copy (the profiler's columns say what ran), so what
+separates the contenders is each reducer's own cost: hooks, bucket copies, launches and the end of
+backward, in Python for gradsync, in C++ for torch.
 
 Per batch shape (8 x 1024: the GPU is busy; 1 x 1024: the host can become the bottleneck), contenders
 ``no_ddp``, ``torch_ddp``, ``torch_ddp_view`` (``gradient_as_bucket_view=True``), ``gradsync`` and
@@ -22,7 +23,8 @@ each (which includes both DDPs' bucket rebuild). Reported per contender:
   median of per-round ratios against torch's DDP with a 90% bootstrap interval (lib/common.py's
   ``paired_ratio``). Target (issue #33): gradsync <= 1.02 x torch's DDP at 8 x 1024;
 - **host time inside backward()**: ``perf_counter`` around ``loss.backward()``, median;
-- **kernels per step**: GPU activities in one profiled step (torch.profiler), and the GPU time of NCCL's;
+- **kernels per step**: GPU activities in one profiled step (torch.profiler), and the count and GPU time
+  of NCCL's kernels and of device-to-device copies among them;
 - **peak memory**: ``max_memory_allocated`` during two steps, above what was allocated before them, and
   the contender's resident bytes (parameters, gradients, buckets, optimizer state).
 
@@ -149,10 +151,41 @@ def profile_step(c: Contender, data: tuple[torch.Tensor, torch.Tensor]) -> dict[
         return {"error": f"{type(error).__name__}: {error}"}
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     nccl = [e for e in gpu if "nccl" in e.name.lower()]
+    copies = [e for e in gpu if "memcpy dtod" in e.name.lower()]  # what NCCL may do instead at world size 1
+    copy_kernels = [e for e in gpu if "copy" in e.name.lower()]  # every copy: gradients into and out of buckets
     return {
         "kernels": len(gpu),
         "nccl_kernels": len(nccl),
         "nccl_gpu_ms": sum(e.time_range.elapsed_us() for e in nccl) / 1e3,
+        "memcpy_dtod": len(copies),
+        "memcpy_dtod_gpu_ms": sum(e.time_range.elapsed_us() for e in copies) / 1e3,
+        "copies": len(copy_kernels),
+        "copies_gpu_ms": sum(e.time_range.elapsed_us() for e in copy_kernels) / 1e3,
+        **_busy_and_idle(gpu),
+    }
+
+
+def _busy_and_idle(gpu: list[Any]) -> dict[str, Any]:
+    """The step's GPU span, the time some activity ran in it, and its longest idle gaps (what ran around them)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in gpu)
+    if not spans:
+        return {}
+    busy, gaps = 0.0, []
+    start, end, name = spans[0]
+    for s, e, n in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((s - end, name[:70], n[:70]))
+            start, end = s, e
+        elif e > end:
+            end = e
+        name = n if e >= end else name
+    busy += end - start
+    gaps.sort(reverse=True)
+    return {
+        "gpu_span_ms": (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0,
+        "gpu_busy_ms": busy / 1e3,
+        "longest_idle_gaps": [{"ms": g / 1e3, "after": a, "before": b} for g, a, b in gaps[:6]],
     }
 
 
@@ -264,8 +297,8 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> list
             f"## Batch {batch} x {CONTEXT}",
             "",
             "| contender | step ms (median) | p90 | / torch DDP [90% CI] | host ms in backward() | kernels/step "
-            "| NCCL GPU ms | peak above resident GiB | resident GiB |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| NCCL kernels, GPU ms | DtoD copies, GPU ms | peak above resident GiB | resident GiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, row in rows.items():
             ratio, low, high = row["ratio_to_torch_ddp"]
@@ -274,7 +307,9 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> list
                 f"| {name} | {row['step_ms_median']:.2f} | {row['step_ms_p90']:.2f} "
                 f"| {ratio:.3f} [{low:.3f}, {high:.3f}] "
                 f"| {row['backward_host_ms_median']:.2f} | {prof.get('kernels', '-')} | "
-                f"{prof.get('nccl_gpu_ms', float('nan')):.2f} | {row['peak_above_resident_bytes'] / gib:.2f} "
+                f"{prof.get('nccl_kernels', '-')}, {prof.get('nccl_gpu_ms', float('nan')):.2f} | "
+                f"{prof.get('memcpy_dtod', '-')}, {prof.get('memcpy_dtod_gpu_ms', float('nan')):.2f} | "
+                f"{row['peak_above_resident_bytes'] / gib:.2f} "
                 f"| {row['resident_bytes'] / gib:.2f} |"
             )
         lines += ["", "gradsync's stats() communication figures (ms per step) against the host clock:", ""]

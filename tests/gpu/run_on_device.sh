@@ -5,14 +5,16 @@
 #
 # Uses the machine's own torch (never installs one): gradsync is imported from src/ through PYTHONPATH.
 # Steps, each under its own timeout so that one hang cannot eat the others' time:
-#   1. probe (<= 30 s): torch, CUDA, NCCL, the GPU, and that gradsync imports;
-#   2. tests/gpu (<= 270 s; an estimated 150 s, not yet measured): pytest, a JUnit XML, torch DDP's control outcomes in
-#      torch_ddp_control.json;
-#   3. the GPT-2-small benchmark, benchmarks/studies/gpu_step.py (<= 150 s; an estimated 60 s): gpu_step.json
-#      and its report.
-# The timeouts add up to 450 s, so the whole check ends within 8 minutes even when a step hangs.
-# At most 8 files land in $OUT (what the device tool brings back): probe.txt, tests.log, tests.xml,
-# torch_ddp_control.json, bench.log, gpu_step.json, YYYY-MM-DD-gpu-step.md, summary.txt.
+#   1. probe (<= 30 s): torch, CUDA, NCCL, the GPU, and that gradsync imports (into summary.txt);
+#   2. the GPT-2-small benchmark, benchmarks/studies/gpu_step.py (<= 150 s; 80 s on an H200), 10 interleaved
+#      rounds: gpu_step.json and its report (first: it is what only this machine can give);
+#   3. where the host time goes at batch 1, benchmarks/studies/gpu_host_profile.py (<= 90 s; 40 s on an H200):
+#      host_profile.json, host_profile.log;
+#   4. tests/gpu (<= 200 s, at most 90 s a test; 40 s on an H200): tests.log, torch DDP's control outcomes in
+#      torch_ddp_control.json.
+# The timeouts add up to 470 s, so the whole check ends within 8 minutes even when a step hangs.
+# Exactly 8 files land in $OUT (what the device tool brings back at most): summary.txt, bench.log,
+# gpu_step.json, YYYY-MM-DD-gpu-step.md, host_profile.json, host_profile.log, tests.log, torch_ddp_control.json.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-results}
@@ -22,7 +24,7 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} GRADSYNC_GPU_OUT="$OUT"
 start=$(date +%s)
 
-timeout 30 "$PY" - >"$OUT/probe.txt" 2>&1 <<'EOF'
+timeout 30 "$PY" - >"$OUT/summary.txt" 2>&1 <<'EOF'
 import platform
 import torch
 import torch.distributed as dist
@@ -36,18 +38,22 @@ if torch.cuda.is_available():
 print("gradsync", gradsync.__version__, "from", gradsync.__file__)
 EOF
 probe=$?
-cat "$OUT/probe.txt"
+cat "$OUT/summary.txt"
 
 set -o pipefail
-timeout 270 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
-tests=$?
-
-timeout 150 "$PY" -m benchmarks.studies.gpu_step --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+timeout 150 "$PY" -m benchmarks.studies.gpu_step --rounds 10 --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench=$?
 
+timeout 90 "$PY" -m benchmarks.studies.gpu_host_profile --out "$OUT" >"$OUT/host_profile.log" 2>&1
+profile=$?
+head -c 3000 "$OUT/host_profile.log"
+
+timeout 200 "$PY" -m pytest tests/gpu -q -rs --tb=short --timeout 90 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
+tests=$?
+
 {
-  echo "probe exit $probe, tests exit $tests, benchmark exit $bench (124: timed out)"
+  echo "probe exit $probe, benchmark exit $bench, host profile exit $profile, tests exit $tests (124: timed out)"
   echo "wall $(( $(date +%s) - start )) s"
   grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 1
-} | tee "$OUT/summary.txt"
-[ "$probe" -eq 0 ] && [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+} | tee -a "$OUT/summary.txt"
+[ "$probe" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$profile" -eq 0 ] && [ "$tests" -eq 0 ]
