@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync.diloco as diloco
+from gradsync import DistributedDataParallel as DDP
 from gradsync.elastic_diloco import FaultTolerantDiLoCo
 from test_diloco import params_relative, relative, simulate
 
@@ -96,6 +97,58 @@ def test_buffers_local_leaves_each_replica_its_own() -> None:
         assert r["vs_alone"] <= 1e-6 and r["params_vs_alone"] <= 1e-5, r
         assert r["vs_averaged"] > 1e-3, r
         assert r["sent_bytes"] == 0, r
+
+
+def _islands_with_buffers(mode: str) -> dict:
+    """2 islands x 2 processes of a BatchNorm CNN. Both members of island i train on the same rows (shard i of
+    two), so their local batch statistics agree and the island is exactly the simulation's replica i; with
+    members on different rows the island's statistics are its rank 0's, as DDP's buffer broadcast makes them."""
+    rank, world = rank_world()
+    islands = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    island = rank // 2
+    model = make_model("cnn_bn")
+    replicas = [copy.deepcopy(model) for _ in range(2)]
+    ddp = DDP(model, process_group=islands[island])
+    outer = diloco.DiLoCo(ddp, SGD(ddp.parameters()), sync_every=4, buffers=mode)
+    steps = 8  # two rounds; the run ends right after the second outer step
+    for t in range(steps):
+        x, y = bn_batch(2, island, t)
+        outer.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        outer.step()
+    outer.close()
+    batch = functools.partial(bn_batch, 2)
+    copies = [copy.deepcopy(m) for m in replicas]
+    averaged, _ = simulate(copies, SGD, diloco.nesterov, batch, steps, 4, average_buffers=True)
+    alone, _ = simulate(replicas, SGD, diloco.nesterov, batch, steps, 4, average_buffers=False)
+    flat = torch.cat([b.detach().float().reshape(-1) for b in model.buffers() if b.is_floating_point()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    for group in islands:
+        dist.destroy_process_group(group)
+    return {
+        "identical": all(torch.equal(gathered[0], g) for g in gathered),
+        "same_island": torch.equal(gathered[2 * island], gathered[2 * island + 1]),
+        "vs_averaged": buffers_relative(model, averaged[island]),
+        "vs_alone": buffers_relative(model, alone[island]),
+        "params_vs_averaged": params_relative(model, averaged[island]),
+        "sent_bytes": outer.buffers.sent_bytes,
+    }
+
+
+def test_buffers_over_islands_are_averaged_between_counterparts() -> None:
+    for r in run_distributed(_islands_with_buffers, 4, "average", timeout_s=60):
+        assert r["identical"], r  # all four processes: both islands hold the average
+        assert r["vs_averaged"] <= 1e-6 and r["params_vs_averaged"] <= 1e-5, r
+        assert r["vs_alone"] > 1e-3, r  # negative control: the island's own statistics are far from these
+        assert r["sent_bytes"] == 2 * BUFFER_BYTES_PER_ROUND, r  # every member averages with its counterpart
+
+
+def test_buffers_local_over_islands_stay_each_islands_own() -> None:
+    for r in run_distributed(_islands_with_buffers, 4, "local", timeout_s=60):
+        assert not r["identical"] and r["same_island"], r  # the islands differ; inside one, DDP keeps them equal
+        assert r["vs_alone"] <= 1e-6, r
+        assert r["vs_averaged"] > 1e-3 and r["sent_bytes"] == 0, r
 
 
 def _misuse() -> list[str]:
