@@ -121,7 +121,8 @@ def _lone_large_gradient_in_place() -> None:
     views: zero_grad(set_to_none=False) keeps it, autograd accumulates into it) and holds the
     average of the ranks' gradients. In the last step the last rank does not use ``up``
     (find_unused): it takes the copying path while the others reduce in place, and all must
-    still agree with the hand-computed average.
+    still agree with the hand-computed average. The bucket's flat buffer holds memory only on the
+    rank that took the copying path, from then on.
     """
     rank, world = rank_world()
     torch.manual_seed(0)
@@ -142,6 +143,10 @@ def _lone_large_gradient_in_place() -> None:
         assert_grads_close(grads_of(model), grads_of(reference))
         if step > 0:
             assert model.up.weight.grad is kept, "the reduced .grad must be the tensor it was"
+        # its bucket's flat buffer gets memory only when the copying path first needs it (storage.py)
+        lone = next(s for s in ddp.engine.buckets.storages if len(s.params) == 1 and s.params[0] is model.up.weight)
+        copied = step == 3 and rank == world - 1
+        assert lone.allocated == copied, f"rank {rank} step {step}: allocated {lone.allocated}"
     gathered = all_gather_flat([model.up.weight.grad])
     assert all(torch.equal(g, gathered[0]) for g in gathered)
 

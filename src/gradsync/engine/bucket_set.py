@@ -16,7 +16,7 @@ in or out. Without bucket views the user sees what the copying path gives: the s
 all-reduce ran in rather than a view of a separate buffer; for a one-parameter bucket
 that is the same thing (the gradient *is* the bucket), and it is what bucket views are for:
 no copy and no second copy of the gradient in memory. The flat buffer of such a bucket
-is allocated but left untouched (so it costs no resident memory) and serves only the
+gets its memory only when first used (``BucketStorage.flat``): it serves only the
 iterations where the gradient cannot be used directly: no gradient on this rank, a
 gradient that is sparse, non-contiguous or part of a graph (``create_graph=True``), or a
 parameter that has post-accumulate-grad hooks of someone else (they may read ``.grad``).
@@ -146,8 +146,8 @@ class BucketSet:
     def zeros_like_bucket(self, b: int) -> torch.Tensor:
         """What a rank without data contributes for bucket ``b``."""
         storage = self.storages[b]
-        if not storage.sparse:
-            return torch.zeros_like(storage.flat)
+        if not storage.sparse:  # not zeros_like(flat): that would give a lone bucket's flat buffer memory
+            return torch.zeros(storage.numel, dtype=storage.dtype, device=storage.params[0].device)
         param = storage.params[0]
         indices = torch.empty((1, 0), dtype=torch.int64, device=param.device)
         return torch.sparse_coo_tensor(indices, param.new_empty((0, *param.shape[1:])), param.shape)

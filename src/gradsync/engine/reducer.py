@@ -324,7 +324,7 @@ class Reducer:
                 return
             if self.desync is not None:
                 what = f"all-reduce of bucket {b}"
-                self.desync.check(Position(what, self.synced_forwards, storage.flat.numel(), str(storage.flat.dtype)))
+                self.desync.check(Position(what, self.synced_forwards, storage.numel, str(storage.dtype)))
             known_unused = current.known_unused
             if (
                 self.config.skip_all_reduce_unused_params
