@@ -114,6 +114,8 @@ def replay(
     alpha: float = 0.5,
     wire: str = "fp32",
     error_feedback: bool = False,
+    batchnorm: bool = False,
+    average_buffers: bool = True,
 ) -> tuple[list[torch.Tensor], dict[str, nn.Module]]:
     """theta_global (flat, per fragment) and every replica's model after the committed outer steps.
 
@@ -122,12 +124,33 @@ def replay(
     (after step ``s + delay``) its local fragment becomes theta_global (delay 0), or is merged
     with it as Streaming DiLoCo does (``merge``: the paper's lerp, or theta_global plus the inner
     steps taken since ``s``). Merges are computed on the fragment's flat concatenation, the
-    layout the exchange uses, so elementwise kernels see the same alignment."""
+    layout the exchange uses, so elementwise kernels see the same alignment. ``batchnorm``: the model
+    has BatchNorm; at the landing of each round's last fragment the contributors' floating buffers
+    become their mean (summed in rank order) and counters rank 0's (``average_buffers``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run: BatchNorm's CPU kernels round differently with more threads
+    try:
+        return _replay(out, fragments, delay, merge, alpha, wire, error_feedback, batchnorm, average_buffers)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay(
+    out: Path,
+    fragments: int,
+    delay: int,
+    merge: str,
+    alpha: float,
+    wire: str,
+    error_feedback: bool,
+    batchnorm: bool,
+    average_buffers: bool,
+) -> tuple[list[torch.Tensor], dict[str, nn.Module]]:
     commits, joins, slots = read_logs(out)
     assert sorted(commits) == list(range(len(commits))), f"committed outer steps have gaps: {sorted(commits)}"
     period = H // fragments
-    theta = [nn.Parameter(p.detach().clone()) for p in diloco_worker.make_model().parameters()]
-    owner = fragment_of_each_parameter(diloco_worker.make_model(), fragments)
+    theta = [nn.Parameter(p.detach().clone()) for p in diloco_worker.make_model(batchnorm).parameters()]
+    owner = fragment_of_each_parameter(diloco_worker.make_model(batchnorm), fragments)
     outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
     replicas: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     done: dict[str, int] = {}  # inner steps each replica has taken
@@ -158,7 +181,7 @@ def replay(
         deltas = []
         for uuid in commits[k]:
             if uuid not in replicas:  # a founding replica
-                model = diloco_worker.make_model()
+                model = diloco_worker.make_model(batchnorm)
                 replicas[uuid], done[uuid] = (model, diloco_worker.make_inner(model)), 0
             advance(uuid, start)
             params = list(replicas[uuid][0].parameters())
@@ -191,6 +214,18 @@ def replay(
                     merged = torch.lerp(new, local, alpha)
                 for p, values in zip(params, merged.split([p.numel() for p in params])):
                     p.copy_(values.view_as(p))
+            if batchnorm and average_buffers and k % fragments == fragments - 1:  # the round's last landing
+                each = [dict(replicas[uuid][0].named_buffers()) for uuid in commits[k]]
+                for name, buffer in each[0].items():
+                    if buffer.is_floating_point():
+                        total = each[0][name].float().clone()
+                        for other in each[1:]:
+                            total.add_(other[name].float())  # in rank order, as the gather is summed
+                        value = total.div_(float(len(each)))
+                    else:
+                        value = buffer.clone()  # counters: the group's rank 0's
+                    for buffers in each:
+                        buffers[name].copy_(value)
         for t in theta:
             t.grad = None
     flat_theta = [flat([t for i, t in enumerate(theta) if owner[i] == f]) for f in range(fragments)]
@@ -213,19 +248,25 @@ def check(out: Path, results: list[dict], dead_at: int, bitwise: bool = True) ->
         check_bitwise(out, results)
 
 
-def check_bitwise(out: Path, results: list[dict], merge: str | None = None, error_feedback: bool | None = None) -> None:
-    """Every replica against the replay; ``merge`` / ``error_feedback`` replay another setting than the
-    run's (negative controls)."""
+def check_bitwise(
+    out: Path,
+    results: list[dict],
+    merge: str | None = None,
+    error_feedback: bool | None = None,
+    average_buffers: bool = True,
+) -> None:
+    """Every replica against the replay; ``merge`` / ``error_feedback`` / ``average_buffers`` replay another
+    setting than the run's (negative controls)."""
     first = results[0]
     feedback = first.get("error_feedback", False) if error_feedback is None else error_feedback
     theta, models = replay(
         out, first["fragments"], first.get("delay", 0), merge or first.get("merge", "mix"), 0.5,
-        first.get("wire", "fp32"), feedback,
+        first.get("wire", "fp32"), feedback, first.get("batchnorm", False), average_buffers,
     )  # fmt: skip
     for result in results:
         saved = torch.load(out / f"{result['name']}.pt")
         assert len(saved["theta"]) == len(theta)
         for mine, reference in zip(saved["theta"], theta):
             assert torch.equal(mine, reference), f"{result['name']}: theta_global differs from the replay"
-        for mine, reference in zip(saved["model"].values(), models[result["uuid"]].state_dict().values()):
-            assert torch.equal(mine, reference), f"{result['name']}: parameters differ from the replay"
+        for (name, mine), reference in zip(saved["model"].items(), models[result["uuid"]].state_dict().values()):
+            assert torch.equal(mine, reference), f"{result['name']}: parameters differ from the replay ({name})"

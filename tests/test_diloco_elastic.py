@@ -86,6 +86,32 @@ def test_survivors_lose_no_inner_step_and_the_restarted_replica_is_healed(
             check_bitwise(tmp_path, results)
 
 
+@pytest.mark.parametrize(
+    # H = 4, F = 2: outer step 3 syncs fragment 1, the round's last, so it also averages the buffers. Blocking:
+    # the death is in its exchange. Streaming (delay 1): its exchange starts after inner step 8 and lands after
+    # step 9; "inner:8" kills in between, with the exchange in flight.
+    "fault, delay, merge",
+    [("exchange:3", 0, "mix"), ("inner:8", 1, "keep_inner_steps")],
+    ids=["exchange", "streaming-in-flight"],
+)
+def test_buffers_are_averaged_in_the_decided_exchange_and_redone_among_survivors(
+    fault: str, delay: int, merge: str, tmp_path: Path
+) -> None:
+    """A BatchNorm model ([Note: buffers in a decided exchange]): the running statistics of every replica
+    match the replay bit for bit, which averages the contributors' buffers at each round's last landing,
+    the round cut off by the death averaged over the two survivors."""
+    name = f"diloco-bn-{fault.replace(':', '-')}-{delay}"
+    job = DiLoCoJob(
+        tmp_path, name, None, sync_every=H, steps=STEPS, await_joiner="", fragments=2, delay=delay, merge=merge,
+        batchnorm="",
+    )  # fmt: skip
+    results = run_with_a_death(job, fault)
+    check(tmp_path, results, dead_at=3)  # bitwise, buffers included (the model's state_dict)
+    # Negative control: the replay without the buffer averaging does not match (the running statistics).
+    with pytest.raises(AssertionError, match=r"parameters differ from the replay \(1\.running_"):
+        check_bitwise(tmp_path, results, average_buffers=False)
+
+
 def test_on_etcd_the_training_thread_asks_the_store_nothing_between_outer_steps(
     etcd_cluster,  # noqa: F811
     tmp_path: Path,

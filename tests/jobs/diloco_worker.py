@@ -34,8 +34,11 @@ from gradsync.elastic_diloco import FaultTolerantDiLoCo
 WIDTH = 16
 
 
-def make_model() -> nn.Module:
+def make_model(batchnorm: bool = False) -> nn.Module:
+    """``batchnorm``: a BatchNorm1d after the first layer (running statistics: buffers averaged once a round)."""
     torch.manual_seed(0)
+    if batchnorm:
+        return nn.Sequential(nn.Linear(WIDTH, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4))
     return nn.Sequential(nn.Linear(WIDTH, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
@@ -77,6 +80,7 @@ def main() -> None:
     p.add_argument("--delay", type=int, default=0)
     p.add_argument("--merge", default="mix")
     p.add_argument("--error-feedback", action="store_true")
+    p.add_argument("--batchnorm", action="store_true")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--await-joiner", action="store_true", help="also run until a joiner took part in 2 outer steps")
     p.add_argument("--out", required=True)
@@ -94,7 +98,7 @@ def main() -> None:
         join_timeout_s=60.0,
     )  # fmt: skip
     requests = _count_requests(run.store)
-    model = make_model()
+    model = make_model(args.batchnorm)
     inner = make_inner(model)
     joiner = run.joining
     outer = FaultTolerantDiLoCo(
@@ -153,6 +157,7 @@ def main() -> None:
         "merge": args.merge,
         "wire": args.wire,
         "error_feedback": args.error_feedback,
+        "batchnorm": args.batchnorm,
     }
     state = {"model": model.state_dict(), "theta": [t.detach().clone() for t in outer.outer.global_parameters]}
     torch.save(state, out / f"{args.name}.pt")

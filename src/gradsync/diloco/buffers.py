@@ -21,9 +21,17 @@ Over islands the exchange runs between counterparts (one member of each island),
 holds its island's buffers; the island's DDP makes its members agree at its next forward as it
 always does (``broadcast_buffers``). It is one blocking collective of the buffers' size per round,
 run when no exchange is in flight; a model without buffers sends nothing.
+
+In ``FaultTolerantDiLoCo`` the buffers are averaged inside the outer step's decision instead
+([Note: buffers in a decided exchange] in elastic_diloco/committed_exchange.py): gathered and
+summed in rank order over the generation's group, written only if the step commits, averaged
+again over the survivors if it does not.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,11 +46,7 @@ class BufferAverage:
     """Makes the buffers of ``module`` agree over a process group (``average()``), once a round."""
 
     def __init__(self, module: nn.Module, mode: str) -> None:
-        if mode not in BUFFER_MODES:
-            raise ValueError(
-                f"buffers must be one of {BUFFER_MODES} (average the model's buffers across replicas once every "
-                f"sync_every inner steps, or keep each replica's own; docs/diloco.md), got {mode!r}."
-            )
+        check_mode(mode)
         self.mode = mode
         named = persistent_buffers(module) if mode == "average" else []
         self.floating = [b for _, b in named if b.is_floating_point()]
@@ -58,16 +62,81 @@ class BufferAverage:
     def average(self, group: dist.ProcessGroup, source: int) -> None:
         """Collective over ``group``: floating buffers averaged, counters broadcast from global rank ``source``."""
         if self.floating:
-            flat = torch.cat([b.detach().reshape(-1).to(torch.float32) for b in self.floating])
+            flat = self.snapshot().floating
             dist.all_reduce(flat, group=group)
             self.sent_bytes += flat.numel() * flat.element_size()
             flat /= dist.get_world_size(group)
-            offset = 0
-            for buffer in self.floating:
-                buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
-                offset += buffer.numel()
+            self._write_floating(flat)
         broadcast_coalesced(self.counters, source, group)  # one collective for all of them
         self.sent_bytes += sum(c.numel() * c.element_size() for c in self.counters)
+
+    @torch.no_grad()
+    def snapshot(self) -> BufferValues:
+        """This replica's buffers now: the floating ones flat in fp32, the counters flat in int64 (copies)."""
+        floating = counters = None
+        if self.floating:
+            floating = torch.cat([b.detach().reshape(-1).to(torch.float32) for b in self.floating])
+        if self.counters:
+            counters = torch.cat([c.detach().reshape(-1).to(torch.int64) for c in self.counters])
+        return BufferValues(floating, counters)
+
+    def average_in_rank_order(
+        self, values: BufferValues, group: dist.ProcessGroup, wait: Callable[[dist.Work], object], works: list
+    ) -> BufferValues:
+        """The mean of every member's ``values`` over ``group``, summed in rank order (so that a one-process
+        replay gets the same bits), and the counters of the group's rank 0. Collectives are issued async,
+        appended to ``works`` and waited for with ``wait`` (the fault-tolerant mode's heartbeat-aware wait).
+        Nothing is written: ``write`` does that once the outer step is decided."""
+        size = dist.get_world_size(group)
+        floating = counters = None
+        if values.floating is not None:
+            gathered = [torch.empty_like(values.floating) for _ in range(size)]
+            works.append(dist.all_gather(gathered, values.floating, group=group, async_op=True))
+            wait(works[-1])
+            self.sent_bytes += values.floating.numel() * values.floating.element_size()
+            floating = gathered[0].clone()
+            for other in gathered[1:]:
+                floating.add_(other)
+            floating.div_(float(size))
+        if values.counters is not None:
+            counters = values.counters.clone()
+            works.append(dist.broadcast(counters, dist.get_global_rank(group, 0), group=group, async_op=True))
+            wait(works[-1])
+            self.sent_bytes += counters.numel() * counters.element_size()
+        return BufferValues(floating, counters)
+
+    @torch.no_grad()
+    def write(self, values: BufferValues) -> None:
+        """Put ``values`` (an average) into the buffers."""
+        if values.floating is not None:
+            self._write_floating(values.floating)
+        if values.counters is not None:
+            offset = 0
+            for counter in self.counters:
+                counter.copy_(values.counters[offset : offset + counter.numel()].view_as(counter))
+                offset += counter.numel()
+
+    def _write_floating(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for buffer in self.floating:
+            buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()
+
+
+@dataclass(frozen=True)
+class BufferValues:
+    """Buffers taken out of a module: floating ones flat in fp32, counters flat in int64 (None: none)."""
+
+    floating: torch.Tensor | None
+    counters: torch.Tensor | None
+
+
+def check_mode(mode: str) -> None:
+    if mode not in BUFFER_MODES:
+        raise ValueError(
+            f"buffers must be one of {BUFFER_MODES} (average the model's buffers across replicas once every "
+            f"sync_every inner steps, or keep each replica's own; docs/diloco.md), got {mode!r}."
+        )
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -108,6 +108,7 @@ class DiLoCo:
         self.alpha = float(alpha)
         self.merge = merge
         self.buffers = BufferAverage(self.module, buffers)  # checks the mode before any collective
+        self._buffers_by_exchange = False  # True once an exchange that averages them replaced ours
         self.topology = _topology(self.island, group, own_groups=delay > 0)
         # Every replica starts from the same point: outer rank 0's parameters and buffers.
         start = list(self.module.parameters()) + list(self.module.buffers())
@@ -167,9 +168,11 @@ class DiLoCo:
         finally:
             self._uneven = None
 
-    def replace_exchange(self, exchange: Any) -> None:
+    def replace_exchange(self, exchange: Any, averages_buffers: bool = False) -> None:
         """Average outer gradients through ``exchange`` from now on (``start``/``finished``/``close``/``count``,
         as ``OuterExchange``); DiLoCo's own exchange, its thread and the process groups made for it are closed.
+        ``averages_buffers``: the exchange also averages the buffers at the round's last landing (DiLoCo's own
+        collective for them is then skipped).
 
         gradsync.elastic_diloco.FaultTolerantDiLoCo calls it once, before the first step, with an exchange
         decided together and redone among survivors over each generation's group.
@@ -182,6 +185,7 @@ class DiLoCo:
         self.exchange.close()
         topology.close(self.topology)
         self.exchange = exchange
+        self._buffers_by_exchange = averages_buffers
 
     @property
     def wire(self) -> WireCount:
@@ -215,8 +219,12 @@ class DiLoCo:
                     self.feedback.commit(landing, averaged.residuals)
                 if self._uneven is not None:
                     self._uneven.landed(averaged.active)
-                if landing == self.schedule.fragments - 1 and self.buffers.to_average:  # once a round, none in flight
-                    self.buffers.average(self.topology.outer, self.topology.source)
+                if self.round_ends_at(landing) and self.buffers.to_average and not self._buffers_by_exchange:
+                    self.buffers.average(self.topology.outer, self.topology.source)  # once a round, none in flight
+
+    def round_ends_at(self, landing: int | None) -> bool:
+        """Whether fragment ``landing``'s outer step is the round's last (when buffers are averaged)."""
+        return landing == self.schedule.fragments - 1
 
     def _wait(self) -> Averaged:
         in_flight = self._in_flight

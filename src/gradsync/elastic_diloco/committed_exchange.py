@@ -29,6 +29,17 @@ blocking this once, then merge at the landing step as if nothing had happened: t
 inner steps they took meanwhile are kept, the merge is DiLoCo's. Nothing is in flight at a
 landing (``delay < sync_every / fragments``), so a joiner admitted there is healed from a
 source whose DiLoCo state has no exchange in flight either.
+
+[Note: buffers in a decided exchange]
+DiLoCo averages the model's buffers once a round, after the round's last fragment landed
+([Note: buffers at outer steps] in diloco/buffers.py). Here that collective is part of the
+decision of that fragment's outer step: at the landing, in the training thread (the exchange's
+try is over, so the group is free, and the buffers are the ones the inner steps left), each
+member takes a copy of its buffers, they are all-gathered over the generation's group and summed
+in rank order (a replay gets the same bits), counters taken from the group's rank 0, then the
+vote. A failure there fails the vote like a failed exchange; a commit writes the average into
+the buffers; an abort averages the same copies again over the survivors, with the outer
+gradients. A joiner is healed with its source's buffers (they are in the model's state_dict).
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from typing import TypeVar
 
 import torch
 
+from ..diloco.buffers import BufferAverage, BufferValues
 from ..diloco.error_feedback import Residuals
 from ..diloco.exchange import Averaged, OuterExchange, WireCount
 from ..diloco.topology import Topology
@@ -71,6 +83,8 @@ class CommittedExchange:
         arrivals_known: Callable[[], int],
         reconfigure: Callable[[str], bool],
         overlap: bool = False,
+        buffers: BufferAverage | None = None,
+        round_ends: Callable[[], bool] | None = None,
     ) -> None:
         self.decider = decider
         self.wire = wire
@@ -89,6 +103,9 @@ class CommittedExchange:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="gradsync-diloco-ft") if overlap else None
         self._attempt: Future[tuple[Averaged | None, list[str]]] | None = None
         self.redone = 0  # exchanges averaged again after an abort, over the life of the run
+        # [Note: buffers in a decided exchange]: averaged with the exchange whose start round_ends() says ends a round
+        self._buffers = buffers if buffers is not None and buffers.to_average else None
+        self._round_ends = round_ends or (lambda: False)
 
     def rebind(self, topology: Topology) -> None:
         """Exchange over ``topology`` (the current generation's group) from now on."""
@@ -112,7 +129,8 @@ class CommittedExchange:
             self._attempt = self._thread.submit(self._average_once, exchange, delta, residuals)
         else:
             self._attempt = _done(self._average_once(exchange, delta, residuals))
-        return DecidedAverage(lambda: self._decided(delta, residuals))
+        with_buffers = self._buffers is not None and self._round_ends()
+        return DecidedAverage(lambda: self._decided(delta, residuals, with_buffers))
 
     def finished(self) -> None:
         self.count.in_flight -= 1
@@ -145,14 +163,29 @@ class CommittedExchange:
         finally:
             exchange.works.clear()
 
-    def _decided(self, delta: torch.Tensor, residuals: Residuals | None) -> Averaged:
+    def _average_buffers(self, mine: BufferValues) -> tuple[BufferValues | None, list[str]]:
+        """The buffers' average over the current generation ([Note: buffers in a decided exchange])."""
+        assert self._buffers is not None and self._current is not None
+        works: list = []
+        try:
+            group = self._current.topology.outer
+            return self._buffers.average_in_rank_order(mine, group, self.decider.wait, works), []
+        except RuntimeError as error:
+            self.abandoned.extend(works)
+            return None, [f"averaging the buffers failed: {error}"]
+
+    def _decided(self, delta: torch.Tensor, residuals: Residuals | None, with_buffers: bool = False) -> Averaged:
         """The average the current generation agreed on; values None when this process must join again."""
         assert self._attempt is not None, "an exchange landed that never started"
         attempt, self._attempt = self._attempt, None
         retried_with_all_alive = False
+        mine = self._buffers.snapshot() if with_buffers and self._buffers is not None else None
         while True:
             step, members = self._outer_step(), list(self.decider.run.generation.members)
             averaged, failures = attempt.result()  # the thread's try never raises: it returns its failure
+            buffers = None
+            if mine is not None and not failures:
+                buffers, failures = self._average_buffers(mine)
             try:
                 decision, by_vote = self.decider.decide(step, failures, self._arrivals_known(), self.abandoned)
             except settle.Revoked as revoked:
@@ -166,6 +199,8 @@ class CommittedExchange:
                     )
                 self.outcome = Outcome(decision, by_vote)
                 assert averaged is not None
+                if buffers is not None and self._buffers is not None:
+                    self._buffers.write(buffers)
                 return averaged
             if not self._reconfigure(f"outer step {step} aborted: {decision.reason}"):
                 self.outcome = Outcome(left_out=True)

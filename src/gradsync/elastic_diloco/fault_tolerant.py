@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..diloco import topology as diloco_topology
-from ..diloco.buffers import persistent_buffers
+from ..diloco.buffers import check_mode as check_buffers_mode
 from ..diloco.exchange import WireCount
 from ..diloco.outer import DiLoCo, OuterOptimizerFactory
 from ..elastic import heal, membership
@@ -72,10 +72,10 @@ class FaultTolerantDiLoCo:
     membership, on every member. ``delay``, ``alpha`` and ``merge`` are DiLoCo's (Streaming DiLoCo): a
     fragment's exchange overlaps the next ``delay`` inner steps and is decided at its landing
     ([Note: a death while an exchange is in flight] in committed_exchange.py). ``error_feedback`` is
-    DiLoCo's too ([Note: error feedback when replicas come and go]). ``buffers``: a model with (persistent)
-    buffers needs ``buffers="local"`` here (each replica keeps its own; a replacement is healed with its
-    source's): averaging them would be a second collective per round outside the decided exchange,
-    which a death would break.
+    DiLoCo's too ([Note: error feedback when replicas come and go]). ``buffers``: as DiLoCo's; with
+    ``"average"`` they are averaged inside the decision of the round's last outer step, redone among
+    the survivors with it ([Note: buffers in a decided exchange] in committed_exchange.py); a
+    replacement is healed with its source's.
     """
 
     def __init__(
@@ -102,13 +102,7 @@ class FaultTolerantDiLoCo:
                 "Islands (a DistributedDataParallel per island) are not supported in the fault-tolerant mode; use "
                 "gradsync.diloco.DiLoCo for them, or one replica per process here."
             )
-        named_buffers = [name for name, _ in persistent_buffers(model)]
-        if buffers == "average" and named_buffers:
-            raise ValueError(
-                f"FaultTolerantDiLoCo does not average buffers across replicas (rank {dist.get_rank()}): the model "
-                f"has {named_buffers[:4]}{' ...' if len(named_buffers) > 4 else ''}. Pass buffers='local' to keep "
-                "each replica's own (a replacement is healed with its source's), or use gradsync.diloco.DiLoCo."
-            )
+        check_buffers_mode(buffers)  # before the run is looked up: a mistake named without elastic.init()
         self.run = run if run is not None else current()
         self.outer = DiLoCo(
             model, inner_optimizer, sync_every, outer_optimizer, fragments, delay, alpha, wire, merge=merge,
@@ -136,8 +130,10 @@ class FaultTolerantDiLoCo:
             self._arrivals_known,
             lambda reason: self.membership.change(self.run.generation.members, self.run.generation.members, reason),
             overlap=delay > 0,  # [Note: a death while an exchange is in flight] in committed_exchange.py
+            buffers=self.outer.buffers,  # [Note: buffers in a decided exchange]
+            round_ends=lambda: self.outer.round_ends_at(self.outer.schedule.starting_after(self.outer.step_count)),
         )
-        self.outer.replace_exchange(self.exchange)  # DiLoCo averages through it from now on
+        self.outer.replace_exchange(self.exchange, averages_buffers=True)  # DiLoCo averages through it from now on
         self._rewire()
         if self.run.joining:
             self.membership.join()
