@@ -150,6 +150,37 @@ def test_stats_are_cuda_event_times(nccl_world) -> None:
     assert all(b.launches >= 1 for b in stats.buckets), str(stats)
 
 
+def test_completions_are_sampled_but_every_reduction_counted(nccl_world) -> None:
+    """[Note: sampled bucket completions]: past the first passes only the last bucket's completion is timed
+    every iteration; every bucket still counts every reduction and has a reduce time."""
+    model, _ = model_and_reference("mlp")
+    ddp = DDP(model, bucket_cap_mb=1e-3)
+    steps = 40
+    for step in range(steps):
+        x, y = batch("mlp", step)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+    torch.cuda.synchronize()
+    stats = ddp.stats()
+    assert stats.iterations == steps and len(stats.buckets) > 1, str(stats)
+    assert all(b.launches == steps - 1 for b in stats.buckets), str(stats)  # counted since the rebuild
+    assert all(b.avg_reduce_s > 0 for b in stats.buckets), str(stats)
+    timed = ddp.engine.records.running.bucket_timed
+    assert timed[-1] == steps - 1 and all(t < steps - 1 for t in timed[:-1]), timed  # sampling happened
+
+
+def test_a_lone_buckets_buffer_takes_no_gpu_memory(nccl_world) -> None:
+    """A gradient reduced in its own .grad leaves its bucket's flat buffer unallocated on the GPU."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4)).to(CUDA)  # 4 MiB weight
+    for as_view in (False, True):
+        ddp = DDP(model, bucket_cap_mb=1, gradient_as_bucket_view=as_view)
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            ddp(torch.randn(8, 1024, device=CUDA)).sum().backward()
+        lone = [s for s in ddp.engine.buckets.storages if len(s.params) == 1 and s.params[0] is model[0].weight]
+        assert lone and not lone[0].allocated, f"as_view={as_view}: the lone bucket's buffer holds GPU memory"
+
+
 def test_mixed_precision_matches_a_local_bf16_backward(nccl_world) -> None:
     model, reference = model_and_reference("mlp")
     ddp = DDP(model, mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
