@@ -16,8 +16,8 @@ gradsync spends in Python per parameter or per bucket shows in it. Measured here
   bucket: no ``add_done_callback`` on the work's future), ``gradsync_wait_watch`` (the completion event
   recorded on a side stream after ``work.wait()`` there instead), ``gradsync_untimed`` (no CUDA events
   at all), ``gradsync_no_stream_order`` (no stream noted in hooks, no waits);
-- host milliseconds per step inside gradsync's own entry points (gradient hooks, of which bucket
-  launches; the end of backward; before and after the forward), by perf_counter around each call;
+- host milliseconds per step inside gradsync's own entry points (gradient hooks, bucket launches and
+  their parts; the end of backward; before and after the forward), each charged its own time only;
 - a cProfile of gradsync's steps (in Python 3.12 it sees every thread, so autograd's device thread,
   where the hooks run, shows interleaved with the main one: read call counts, not own times), and the
   unit costs of the CUDA calls a hook or a bucket may make.
@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from benchmarks.lib import launch
 from benchmarks.lib.common import free_port, paired_ratio, report_path, revision
+from benchmarks.lib.overhead import SectionTimer
 from benchmarks.studies.gpu_step import GPT, Contender, build, step, timed_block
 from gradsync.engine.streams import StreamOrder
 from gradsync.observability.cuda_clock import CudaClock
@@ -97,42 +98,35 @@ def _variant(name: str, base: GPT) -> Contender:
 
 
 def _where_time_goes(c: Contender, data: tuple[torch.Tensor, torch.Tensor], steps: int = 20) -> dict[str, float]:
-    """Host ms per step inside gradsync's entry points and the parts of a bucket's launch (perf_counter
-    around each call; the parts nest: a launch holds the copy-in, the collective and the clock's calls)."""
+    """Host ms per step inside gradsync's entry points and the parts of a bucket's launch, each charged its
+    own time only (lib/overhead.py's ``SectionTimer``: a launch's copy-in, collective and clock calls are
+    not counted again in the launch, nor the launches in the hooks)."""
     engine = c.runner.engine
     clock, reduction, buckets = engine.records.clock, engine.reduction, engine.buckets
     targets = [
-        (engine, "_on_grad_accumulated", "gradient hooks"),
-        (engine, "_launch", "bucket launches (in the hooks)"),
-        (reduction, "start", "  copy-in + all_reduce"),
-        (buckets, "gather_grads", "    copy-in"),
-        (clock, "launched", "  clock: launch event"),
-        (clock, "watch", "  clock: completion callback"),
+        (engine, "_on_grad_accumulated", "gradient hooks (besides launches)"),
+        (engine, "_launch", "bucket launches (besides their parts below)"),
+        (reduction, "start", "all_reduce and its Python (besides copy-in)"),
+        (buckets, "gather_grads", "copy-in"),
+        (clock, "launched", "clock: launch event"),
+        (clock, "watch", "clock: completion callback"),
         (engine, "_finalize_callback", "end of backward"),
         (engine, "before_forward", "before the forward"),
         (engine, "arm", "after the forward"),
     ]
-    totals: dict[str, float] = {}
+    timer = SectionTimer()
     for owner, attr, label in targets:
-        original = getattr(owner, attr)
-
-        def timed(*args: Any, _original: Any = original, _label: str = label) -> Any:
-            start = time.perf_counter()
-            try:
-                return _original(*args)
-            finally:
-                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - start
-
-        setattr(owner, attr, timed)
+        setattr(owner, attr, timer.wrap(getattr(owner, attr), label))
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         step(c, *data)
     torch.cuda.synchronize()
-    totals["whole step"] = time.perf_counter() - start
+    whole = time.perf_counter() - start
     for owner, attr, _ in targets:
         delattr(owner, attr)
-    return {label: seconds / steps * 1e3 for label, seconds in totals.items()}
+    per_step = {label: seconds / steps * 1e3 for label, seconds in timer.totals.items()}
+    return {**per_step, "whole step": whole / steps * 1e3}
 
 
 def _step_time_ratios(base: GPT, batch: int, rounds: int = 8, iters: int = 8) -> dict[str, Any]:
