@@ -62,7 +62,7 @@ class BufferAverage:
     def average(self, group: dist.ProcessGroup, source: int) -> None:
         """Collective over ``group``: floating buffers averaged, counters broadcast from global rank ``source``."""
         if self.floating:
-            flat = self.snapshot().floating
+            flat = _flat(self.floating, torch.float32)
             dist.all_reduce(flat, group=group)
             self.sent_bytes += flat.numel() * flat.element_size()
             flat /= dist.get_world_size(group)
@@ -73,11 +73,8 @@ class BufferAverage:
     @torch.no_grad()
     def snapshot(self) -> BufferValues:
         """This replica's buffers now: the floating ones flat in fp32, the counters flat in int64 (copies)."""
-        floating = counters = None
-        if self.floating:
-            floating = torch.cat([b.detach().reshape(-1).to(torch.float32) for b in self.floating])
-        if self.counters:
-            counters = torch.cat([c.detach().reshape(-1).to(torch.int64) for c in self.counters])
+        floating = _flat(self.floating, torch.float32) if self.floating else None
+        counters = _flat(self.counters, torch.int64) if self.counters else None
         return BufferValues(floating, counters)
 
     def average_in_rank_order(
@@ -129,6 +126,11 @@ class BufferValues:
 
     floating: torch.Tensor | None
     counters: torch.Tensor | None
+
+
+def _flat(buffers: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The buffers' values in one new flat tensor of ``dtype``."""
+    return torch.cat([b.detach().reshape(-1).to(dtype) for b in buffers])
 
 
 def check_mode(mode: str) -> None:
