@@ -113,6 +113,7 @@ def test_stats_print_as_a_table_and_serialise_as_a_dict() -> None:
     assert len(stats.buckets) == 5 and stats.buckets_rebuilt
     # Counted since the rebuild: iterations 2-5 ran on these buckets, each bucket reduced once per iteration.
     assert [b.launches for b in stats.buckets] == [4] * 5
+    assert [b.timed for b in stats.buckets] == [4] * 5  # on the host clock every reduction is timed
     assert all(b.avg_reduce_s > 0 for b in stats.buckets)
     table = str(stats)
     lines = table.splitlines()

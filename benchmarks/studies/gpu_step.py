@@ -225,9 +225,12 @@ def _stats_over(c: Contender, data: tuple[torch.Tensor, torch.Tensor], iters: in
     def delta(field_name: str) -> float:
         return (getattr(after, field_name) * after.iterations - getattr(before, field_name) * before.iterations) / n
 
-    per_bucket = (
-        sum(b.avg_reduce_s * b.launches - (p.avg_reduce_s * p.launches) for b, p in zip(after.buckets, before.buckets))
-        / n
+    # Each bucket's mean over the reductions timed in these steps (on CUDA only a sample of them is timed:
+    # [Note: sampled bucket completions]), summed over buckets: one step's bucket reduces.
+    per_bucket = sum(
+        (b.avg_reduce_s * b.timed - p.avg_reduce_s * p.timed) / (b.timed - p.timed)
+        for b, p in zip(after.buckets, before.buckets)
+        if b.timed > p.timed
     )
     return {
         "iterations": n,

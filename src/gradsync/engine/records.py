@@ -111,6 +111,7 @@ def collect_stats(
             sparse=storage.sparse,
             launches=launches[b] if b < len(launches) else 0,
             avg_reduce_s=running.average_reduce_s(b),
+            timed=running.bucket_timed[b] if b < len(running.bucket_timed) else 0,
         )
         for b, storage in enumerate(buckets.storages)
     )

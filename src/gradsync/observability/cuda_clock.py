@@ -16,15 +16,16 @@ So on CUDA the engine records events where it takes timestamps on CPU (timing.py
 
 [Note: sampled bucket completions]
 A Python callback on an NCCL work's future is not free: measured on an H200 (GPT-2 small, batch
-8 x 1024, 14 buckets; benchmarks/results/2026-12-04-gpu-step.md), one per bucket made the step
-1.020x torch's DDP where the same reducer without them ran at 0.985x: the callback's owner is released
-later on a C++ thread that must take the GIL from the training loop. So the completion is watched on
+8 x 1024, 14 buckets; benchmarks/results/2026-12-04-gpu-host-profile.md), one per bucket made the step
+1.020x torch's DDP where the same reducer without them ran at 0.985x (likely: the callback's owner is
+released later on a C++ thread that must take the GIL from the training loop). With the sampling below
+it runs at 0.985-0.986x, as with no event at all. So the completion is watched on
 every pass for the *last* bucket only (collectives of one group run in launch order on one stream, so
 its completion is when every reduction ended: the communication window and the exposed communication
 stay exact on every pass), and for every bucket on the first ``FULL_PASSES_FIRST`` timed passes, then
 one in ``FULL_PASS_EVERY`` (and on every pass while a timeline is traced, which watches every bucket
-on the host anyway). A bucket's average reduce time in ``stats()`` is over the passes that timed it;
-its ``launches`` count every completed reduction. torch's DDP samples its runtime statistics too,
+on the host anyway). A bucket's average reduce time in ``stats()`` is over the passes that timed it
+(``timed`` of them); its ``launches`` count every completed reduction. torch's DDP samples its runtime statistics too,
 one iteration in 100 (``kDDPRuntimeLoggingSampleRate``).
 
 Events are read without stalling the next iteration: a finished backward's events are kept until

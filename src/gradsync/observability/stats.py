@@ -28,6 +28,7 @@ class BucketInfo:
     # From its launch until its completion was seen (callback or wait), averaged over the reductions timed:
     # all of them on CPU, a sample on CUDA ([Note: sampled bucket completions] in cuda_clock.py).
     avg_reduce_s: float = 0.0
+    timed: int = 0  # how many of ``launches`` ``avg_reduce_s`` averages: their total time is the product
 
 
 @dataclass(frozen=True)
