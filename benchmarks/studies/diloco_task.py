@@ -332,7 +332,11 @@ def criteria_lines(runs: dict[int, dict[str, dict[str, Any]]]) -> list[str]:
 
 
 def _chart(runs: dict[int, dict[str, dict[str, Any]]], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a machine without it (a lent one) still gets the report; the PNG is left out
+        print(f"matplotlib is not installed: no chart at {path}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
