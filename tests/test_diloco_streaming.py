@@ -478,3 +478,29 @@ def test_a_failed_exchange_raises_where_it_lands_naming_fragment_and_step(delay:
     for message in run_distributed(_failing_exchange, 2, delay, timeout_s=30):
         assert "outer exchange of fragment 0 (started after inner step 2) failed on rank" in message, message
         assert "injected: connection reset by peer" in message
+
+
+def _resume_without_sent(merge: str) -> str:
+    """A checkpoint saved with an exchange in flight, its outer gradient dropped as an older gradsync saved it."""
+    model = make_model("mlp")
+    outer = diloco.DiLoCo(model, ADAMW(model.parameters()), sync_every=4, fragments=2, delay=1)
+    train_replica(model, outer, range(6))  # fragment 0's exchange starts after step 6 and lands after 7
+    saved = copy.deepcopy(outer.state_dict())
+    outer.close()
+    assert saved["in_flight"] is not None and saved["in_flight"]["sent"] is not None
+    del saved["in_flight"]["sent"]
+    resumed = diloco.DiLoCo(model, ADAMW(model.parameters()), sync_every=4, fragments=2, delay=1, merge=merge)
+    try:
+        resumed.load_state_dict(saved)
+        train_replica(model, resumed, range(6, 8))  # lands the held exchange
+        return "resumed"
+    except ValueError as error:
+        return str(error)
+    finally:
+        resumed.close()
+
+
+def test_a_checkpoint_without_the_sent_outer_gradient_resumes_only_with_mix() -> None:
+    refused = run_distributed(_resume_without_sent, 2, "keep_inner_steps", timeout_s=30)
+    assert all("saved by an older gradsync" in r and "merge='mix'" in r for r in refused), refused
+    assert run_distributed(_resume_without_sent, 2, "mix", timeout_s=30) == ["resumed", "resumed"]

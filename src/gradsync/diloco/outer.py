@@ -28,7 +28,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,10 @@ from ..collectives.broadcast import broadcast_coalesced
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import checks, topology
 from .buffers import BufferAverage
-from .error_feedback import ErrorFeedback, Residuals, slice_length
-from .exchange import Averaged, OuterExchange, PendingAverage, WireCount
+from .error_feedback import ErrorFeedback, slice_length
+from .exchange import Averaged, OuterExchange, WireCount
 from .fragments import Schedule
+from .in_flight import InFlight, from_state, held, to_state
 from .outer_params import Fragment, fragment_layers
 from .uneven import UnevenInputs
 from .wire import wire_format
@@ -56,13 +57,6 @@ nesterov = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=Tru
 def averaging(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """Outer SGD with lr 1 and no momentum: the outer step is parameter averaging."""
     return torch.optim.SGD(params, lr=1.0)
-
-
-class _InFlight(NamedTuple):
-    fragment: int
-    started: int  # the inner step after which its exchange started
-    average: PendingAverage
-    sent: torch.Tensor | None  # this replica's outer gradient as it started (merge="keep_inner_steps")
 
 
 class DiLoCo:
@@ -131,7 +125,7 @@ class DiLoCo:
         self.exchange = OuterExchange(self.topology, self.wire_format, overlap=delay > 0)
         self.step_count = 0  # inner steps taken: the schedule's clock, the same on every replica
         self._next_event = self.schedule.next_event(0)
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlight | None = None
         self._uneven: UnevenInputs | None = None  # inside outer.join()
 
     # -- the training loop's calls ---------------------------------------------------------------
@@ -207,7 +201,7 @@ class DiLoCo:
                 delta = self.fragments[starting].outer_gradient()
                 flags = None if self._uneven is None else self._uneven.flags(step)
                 residuals = None if self.feedback is None else self.feedback.of(starting)
-                self._in_flight = _InFlight(starting, step, self.exchange.start(delta, flags, residuals), delta)
+                self._in_flight = InFlight(starting, step, self.exchange.start(delta, flags, residuals), delta)
         landing = self.schedule.landing_after(step)
         if landing is not None:
             with torch.profiler.record_function("gradsync::diloco_outer_step"):
@@ -281,20 +275,12 @@ class DiLoCo:
         The model and the inner optimizer are checkpointed by the caller, as without DiLoCo.
         """
         in_flight = None
-        if self._in_flight is not None:
-            fragment, started, _, sent = self._in_flight
+        if self._in_flight is not None:  # [Note: a checkpoint with an exchange in flight] in in_flight.py
+            pending = self._in_flight
             averaged = self._wait()
-            self._in_flight = _InFlight(fragment, started, _done(averaged), sent)
+            self._in_flight = held(pending, averaged)
             self.exchange.count.in_flight += 1  # _wait counted it finished; it lands later
-            values = None if averaged.values is None else averaged.values.clone()
-            in_flight = {
-                "fragment": fragment,
-                "started": started,
-                "average": values,
-                "active": averaged.active,
-                "sent": None if sent is None else sent.clone(),
-                "residuals": None if averaged.residuals is None else _cloned(averaged.residuals),
-            }
+            in_flight = to_state(pending, averaged)
         return {
             "step": self.step_count,
             "global_parameters": [f.theta.detach().clone() for f in self.fragments],
@@ -324,20 +310,8 @@ class DiLoCo:
         self._next_event = self.schedule.next_event(self.step_count)
         if self.feedback is not None:
             self.feedback.load_state_dict(state["error_feedback"], dist.get_rank())
-        saved = state["in_flight"]
-        if saved is not None:
-            values = None if saved["average"] is None else saved["average"].clone()
-            residuals = saved.get("residuals")
-            averaged = Averaged(values, saved["active"], None if residuals is None else _cloned(residuals))
-            sent = saved.get("sent")  # absent from checkpoints made before merge="keep_inner_steps"
-            if sent is None and self.merge == "keep_inner_steps":
-                raise ValueError(
-                    f"This DiLoCo checkpoint (rank {dist.get_rank()}) has an exchange in flight but not the outer "
-                    "gradient merge='keep_inner_steps' needs at landing: it was saved by an older gradsync; resume "
-                    "it with merge='mix'."
-                )
-            sent = None if sent is None else sent.clone()
-            self._in_flight = _InFlight(saved["fragment"], saved["started"], _done(averaged), sent)
+        if state["in_flight"] is not None:
+            self._in_flight = from_state(state["in_flight"], self.merge)
             self.exchange.count.in_flight += 1
 
     def close(self) -> None:
@@ -394,13 +368,3 @@ def _topology(
             "with a DistributedDataParallel model (its process group is the island)."
         )
     return topology.islands(island.process_group, own_groups)
-
-
-def _cloned(residuals: Residuals) -> Residuals:
-    return Residuals(residuals.sent.clone(), residuals.owned.clone())
-
-
-def _done(value: Averaged) -> Future[Averaged]:
-    future: Future[Averaged] = Future()
-    future.set_result(value)
-    return future
