@@ -60,6 +60,7 @@ from benchmarks.lib.common import (
     today,
 )
 from gradsync import DistributedDataParallel as DDP
+from gradsync.diloco.fragments import Schedule
 
 _spec = importlib.util.spec_from_file_location("train_charlm", Path(REPO) / "examples" / "train_charlm.py")
 charlm = importlib.util.module_from_spec(_spec)
@@ -229,10 +230,53 @@ def write_step_time_report(samples: dict[str, list[float]], args: argparse.Names
             f"{mean_ratio[0]:.3f} [{mean_ratio[1]:.3f}, {mean_ratio[2]:.3f}] | "
             f"{median_ratio[0]:.3f} [{median_ratio[1]:.3f}, {median_ratio[2]:.3f}] |"
         )
+    lines += where_in_the_round(samples)
     path = report_path("diloco-step-time" + (f"-{args.label}" if args.label else ""))
     path.write_text("\n".join(lines) + "\n")
     print(path.read_text())
     print(f"report: {path}")
+
+
+def where_in_the_round(samples: dict[str, list[float]]) -> list[str]:
+    """Each contender's extra time over no communication, by the step's place in the schedule's round.
+
+    Step ``i`` of every block is the same step of a round (``step_time``'s docstring), so its excess over
+    the no-communication block of the same round is averaged over rounds and summed by kind: a step
+    after which a fragment's exchange starts, one taken while an exchange is in flight, one after which
+    an exchange lands (the blocking outer step both starts and lands), and the rest. Where the rest
+    carries the excess, the cost is spread over every step (the machine, or a thread), not the exchange's.
+    """
+    reference = samples[NO_COMMUNICATION]
+    rounds = len(reference) // H
+    lines = [
+        "",
+        "Where the extra time is: each step's mean excess over the no-communication step at the same place of the "
+        "same round, summed by the step's kind (ms per round of 50 steps; steps per round in brackets):",
+        "",
+        "| contender | exchange starts | in flight | exchange lands | other steps | whole round | share of a round |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, times in samples.items():
+        knobs = CONTENDERS[name]
+        if not knobs:
+            continue
+        schedule = Schedule.checked(H, knobs["fragments"], knobs["delay"])
+        sums = {"start": 0.0, "flight": 0.0, "land": 0.0, "other": 0.0}
+        counts = dict.fromkeys(sums, 0)
+        in_flight = False
+        for i in range(H):
+            count = H + 2 + i + 1  # the DiLoCo step count after this step (warm-up: H + 2 untimed steps)
+            excess = statistics.fmean(times[r * H + i] - reference[r * H + i] for r in range(rounds))
+            starts, lands = schedule.starting_after(count) is not None, schedule.landing_after(count) is not None
+            kind = "land" if lands else "start" if starts else "flight" if in_flight else "other"
+            in_flight = (in_flight or starts) and not lands
+            sums[kind] += excess * 1e3
+            counts[kind] += 1
+        total = sum(sums.values())
+        round_ms = statistics.fmean(reference) * H * 1e3
+        cells = " | ".join(f"{sums[k]:+.1f} ({counts[k]})" for k in sums)
+        lines.append(f"| {name} | {cells} | {total:+.1f} | {total / round_ms:+.3f} |")
+    return lines
 
 
 def time_to(curve: list[tuple[int, float, float]], target: float) -> float | None:
