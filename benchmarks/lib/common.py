@@ -7,6 +7,16 @@ alike and none always runs right after the same neighbour. Each block of iterati
 starts after a barrier, and an iteration's time is the slowest rank's (one all-reduce
 MAX per block, outside the timed region): a step is done only when every rank is.
 
+[Note: per-step maxima and block times]
+The slowest rank's time per step is the right measure when every step synchronises the
+ranks (DDP): no rank can run ahead. Where the ranks meet only now and then (DiLoCo's outer
+steps, or never: no communication), a rank that was slower through the block is counted in
+every step's maximum *and* again where the faster rank waits for it at the next collective:
+the sum of per-step maxima double-counts the ranks' drift at each meeting. What such a job
+delivers is the block's wall-clock on its slowest rank, the sum of that rank's own steps;
+``interleave(..., blocks=...)`` records it (and the fastest rank's, whose difference is the
+drift) for the studies that compare such contenders.
+
 [Note: a shared machine]
 On a small box other processes steal cores from the ranks. ``MachineLoad`` records the
 load average and the CPU time other processes used while we measured, so a report says
@@ -71,14 +81,27 @@ def slowest_rank(times: list[float], group: dist.ProcessGroup | None = None) -> 
     return tensor.tolist()
 
 
+def slowest_and_fastest_block(times: list[float], group: dist.ProcessGroup | None = None) -> tuple[float, float]:
+    """The block's wall-clock on the slowest rank and on the fastest (sums of each rank's own steps)."""
+    total = sum(times)
+    tensor = torch.tensor([total, -total], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor[0].item(), -tensor[1].item()
+
+
 def interleave(
     contenders: list[Contender],
     rounds: int,
     iters: int,
     warmup: int,
     after_warmup: Callable[[], None] | None = None,
+    blocks: dict[str, list[tuple[float, float]]] | None = None,
 ) -> dict[str, list[float]]:
-    """Warm every contender up, then time ``rounds`` blocks of ``iters`` iterations each."""
+    """Warm every contender up, then time ``rounds`` blocks of ``iters`` iterations each.
+
+    Returns each iteration's time on the slowest rank. ``blocks``, where given, receives each block's
+    wall-clock on the slowest and on the fastest rank ([Note: per-step maxima and block times]).
+    """
     for contender in contenders:  # warm-up includes the DDPs' bucket rebuild after iteration 1
         dist.barrier()
         time_block(contender, warmup)
@@ -89,7 +112,10 @@ def interleave(
         for k in range(len(contenders)):
             contender = contenders[(r + k) % len(contenders)]
             dist.barrier()  # start each block together, so no rank's head start is timed
-            samples[contender.name] += slowest_rank(time_block(contender, iters))
+            times = time_block(contender, iters)
+            samples[contender.name] += slowest_rank(times)
+            if blocks is not None:
+                blocks.setdefault(contender.name, []).append(slowest_and_fastest_block(times))
     return samples
 
 

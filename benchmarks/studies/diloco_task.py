@@ -177,13 +177,14 @@ def train(
 STEP_TIME_CONTENDERS = ["DiLoCo H=50 int8", "Streaming H=50 F=2 delay 2 int8", STREAMING_KEEP]
 
 
-def step_time(rounds: int, data: tuple) -> dict[str, list[float]]:
+def step_time(rounds: int, data: tuple) -> tuple[dict[str, list[float]], dict[str, list[tuple[float, float]]]]:
     """Interleaved blocks of H inner steps: no communication, then each DiLoCo contender, in rotation.
 
     Every block is one whole round of the schedule and ends where nothing is in flight: each
     contender is first stepped 52 times untimed (52 = 2 mod H: with F = 2, delay 2 the fragments
     start after steps 25 and 50 of a round and land after 27 and 52), so a timed block runs steps
-    3..52 of a round. Per block the slowest rank's time of every step is kept."""
+    3..52 of a round. Per block the slowest rank's time of every step is kept, and the block's wall-clock
+    on its slowest and its fastest rank ([Note: per-step maxima and block times] in lib/common.py)."""
     train_data, _, vocabulary = data
     contenders = []
     for name in [NO_COMMUNICATION, *STEP_TIME_CONTENDERS]:
@@ -201,10 +202,17 @@ def step_time(rounds: int, data: tuple) -> dict[str, list[float]]:
             stepper.step()
 
         contenders.append(Contender(name, step))
-    return interleave(contenders, rounds, H, warmup=H + 2)
+    blocks: dict[str, list[tuple[float, float]]] = {}
+    samples = interleave(contenders, rounds, H, warmup=H + 2, blocks=blocks)
+    return samples, blocks
 
 
-def write_step_time_report(samples: dict[str, list[float]], args: argparse.Namespace, load: str) -> None:
+def write_step_time_report(
+    samples: dict[str, list[float]],
+    blocks: dict[str, list[tuple[float, float]]],
+    args: argparse.Namespace,
+    load: str,
+) -> None:
     reference = samples[NO_COMMUNICATION]
     lines = [
         f"# DiLoCo's inner step against no communication, interleaved ({today()})",
@@ -230,11 +238,37 @@ def write_step_time_report(samples: dict[str, list[float]], args: argparse.Names
             f"{mean_ratio[0]:.3f} [{mean_ratio[1]:.3f}, {mean_ratio[2]:.3f}] | "
             f"{median_ratio[0]:.3f} [{median_ratio[1]:.3f}, {median_ratio[2]:.3f}] |"
         )
+    lines += block_times(blocks)
     lines += where_in_the_round(samples)
     path = report_path("diloco-step-time" + (f"-{args.label}" if args.label else ""))
     path.write_text("\n".join(lines) + "\n")
     print(path.read_text())
     print(f"report: {path}")
+
+
+def block_times(blocks: dict[str, list[tuple[float, float]]]) -> list[str]:
+    """Each block's wall-clock on its slowest rank against no communication's in the same round: what the
+    job delivers, without the per-step maxima's double count of the ranks' drift at each landing."""
+    reference = [slowest for slowest, _ in blocks[NO_COMMUNICATION]]
+    lines = [
+        "",
+        "Throughput without the double count ([Note: per-step maxima and block times] in benchmarks/lib/common.py): "
+        "each block's wall-clock on its slowest rank (the sum of that rank's own steps), per round against the "
+        "no-communication block of the same round; the drift is the slowest rank's block time minus the fastest's, "
+        "what the faster rank waits for at a landing:",
+        "",
+        "| contender | mean block s (slowest rank) | vs no communication [90% CI] | mean drift ms per block |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, pairs in blocks.items():
+        slowest = [s for s, _ in pairs]
+        ratio = paired_ratio(slowest, reference, 1)
+        drift = statistics.fmean(s - f for s, f in pairs) * 1e3
+        lines.append(
+            f"| {name} | {statistics.fmean(slowest):.2f} | {ratio[0]:.3f} [{ratio[1]:.3f}, {ratio[2]:.3f}] | "
+            f"{drift:.0f} |"
+        )
+    return lines
 
 
 def where_in_the_round(samples: dict[str, list[float]]) -> list[str]:
@@ -251,7 +285,9 @@ def where_in_the_round(samples: dict[str, list[float]]) -> list[str]:
     lines = [
         "",
         "Where the extra time is: each step's mean excess over the no-communication step at the same place of the "
-        "same round, summed by the step's kind (ms per round of 50 steps; steps per round in brackets):",
+        "same round, summed by the step's kind (ms per round of 50 steps; steps per round in brackets). A step's time "
+        "is the slowest rank's, so a landing's excess includes the faster rank's wait for the slower one at the "
+        "collective, which the other steps' maxima have already counted:",
         "",
         "| contender | exchange starts | in flight | exchange lands | other steps | whole round | share of a round |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -456,10 +492,10 @@ def main() -> None:
     load = MachineLoad()
     load.start()
     if args.step_time:
-        samples = step_time(args.rounds, data)
+        samples, blocks = step_time(args.rounds, data)
         load.stop()
         if dist.get_rank() == 0:
-            write_step_time_report(samples, args, load.describe())
+            write_step_time_report(samples, blocks, args, load.describe())
         dist.barrier()
         dist.destroy_process_group()
         return
