@@ -335,6 +335,74 @@ def test_islands_of_ddp_exchange_slices_and_match_the_simulation(micro: int) -> 
         assert r["island_bytes"] == 2 * 4 * slice_values, r  # and hands its averaged slice to its island mate
 
 
+def _unequal_islands(layout: tuple[tuple[int, ...], ...], delay: int, error_feedback: bool) -> dict:
+    """Islands of unequal size, each training on its own rows (split evenly among its members)."""
+    rank, world = rank_world()
+    islands = [dist.new_group(list(ranks)) for ranks in layout]
+    island = next(i for i, ranks in enumerate(layout) if rank in ranks)
+    members = layout[island]
+    model = make_model("mlp", seed=rank)  # different starting weights: DiLoCo must make them one
+    replicas = [copy.deepcopy(make_model("mlp", seed=layout[0][0])) for _ in layout]
+    ddp = DDP(model, process_group=islands[island])
+    wire = "int8" if error_feedback else "fp32"
+    knobs = {"fragments": 1, "delay": delay, "wire": wire, "error_feedback": error_feedback}
+    outer = diloco.DiLoCo(ddp, ADAMW(ddp.parameters()), sync_every=3, **knobs)
+
+    def island_batch(i: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = global_batch("mlp", 4, t)  # 16 rows: island i takes half, its members split that half
+        return shard(x, i, 2), shard(y, i, 2)
+
+    steps = 7
+    for t in range(steps):
+        x, y = island_batch(island, t)
+        x, y = shard(x, members.index(rank), len(members)), shard(y, members.index(rank), len(members))
+        outer.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        outer.step()
+    try:
+        with outer.join():
+            refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    outer.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in outer.global_parameters])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    simulated, _ = simulate(replicas, ADAMW, diloco.nesterov, island_batch, steps, 3, 1, delay, 0.5)
+    for group in islands:
+        dist.destroy_process_group(group)
+    return {
+        "identical": all(torch.equal(gathered[0], g) for g in gathered),
+        "difference": params_relative(model, simulated[island]),
+        "other_island": params_relative(model, simulated[1 - island]),
+        "sent": outer.wire.sent_bytes,
+        "numel": flat.numel(),
+        "has_counterparts": members.index(rank) < min(len(ranks) for ranks in layout),
+        "join_refused": refused,
+    }
+
+
+@pytest.mark.parametrize(
+    "layout, delay, error_feedback",
+    [(((0,), (1, 2)), 0, False), (((0, 1), (2,)), 1, False), (((0, 1), (2,)), 1, True)],
+    ids=["1+2", "2+1-streaming", "2+1-int8-feedback"],
+)
+def test_islands_of_unequal_size_match_the_simulation(layout, delay: int, error_feedback: bool) -> None:
+    """One island of one process and one of two: every island is one replica of the average; the larger
+    island's second member has no counterpart, sends nothing across and still ends with the average."""
+    results = run_distributed(_unequal_islands, 3, layout, delay, error_feedback, timeout_s=60)
+    for r in results:
+        assert r["identical"], r
+        assert r["other_island"] > 1e-4, r  # negative control: the islands' own replicas differ
+        assert (r["sent"] > 0) == r["has_counterparts"], r  # only members with counterparts use the slow link
+        assert "islands of unequal size is not supported" in r["join_refused"], r
+        # the simulation is fp32; int8 (with its feedback) rounds what it sends, so it is only close
+        assert r["difference"] <= (5e-3 if error_feedback else 1e-5), r
+        if r["has_counterparts"] and not error_feedback:  # slices = 1 (the smallest island): the whole outer
+            assert r["sent"] == 2 * 4 * r["numel"], r  # gradient, half then the averaged half, in 2 exchanges
+    assert sum(r["has_counterparts"] for r in results) == 2
+
+
 def _misuse() -> list[str]:
     rank, world = rank_world()
     caught = []

@@ -4,7 +4,8 @@
 One fragment's outer gradient ``delta`` (flat, fp32, ``n`` values) on every process:
 
 1. island slice: an island member ``s`` of ``S`` takes slice ``s`` of ``delta`` ([Note: islands] in
-   topology.py); a plain replica (``S = 1``) takes all of it.
+   topology.py; with islands of unequal size ``S`` is the smallest's, and a larger island's members past
+   it take none); a plain replica (``S = 1``) takes all of it.
 2. reduce-scatter over the ``I`` replicas (or counterparts): the slice is cut into ``I`` pieces,
    piece ``j`` is encoded ([Note: decoding what was sent] in wire.py) and sent to outer rank ``j``;
    each rank decodes the ``I`` copies of its own piece and sums them in rank order, in fp32, and
@@ -126,12 +127,15 @@ class OuterExchange:
                 return Averaged(None, active, residuals)
             if flags[0] == 0:
                 delta, contributes = torch.zeros_like(delta), False
-        slices = torch.tensor_split(delta, t.island_size)
-        averaged, residuals = self._across(slices[t.island_rank], contributors, residuals, contributes)
+        slices = torch.tensor_split(delta, t.slices)
+        if t.sends_across:
+            averaged, residuals = self._across(slices[t.island_rank], contributors, residuals, contributes)
+        else:  # a larger island's member without counterparts: its mates hand it every slice ([Note: islands])
+            averaged = torch.empty(0, dtype=torch.float32)
         self.count.exchanges += 1
         if t.island_size == 1:
             return Averaged(averaged, active, residuals)
-        sizes = [s.numel() * 4 for s in slices]
+        sizes = [s.numel() * 4 for s in slices] + [0] * (t.island_size - t.slices)
         gathered = self._all_to_all(t.island, averaged.view(torch.uint8), sizes, island=True)
         return Averaged(gathered.view(torch.float32), active, residuals)
 

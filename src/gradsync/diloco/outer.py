@@ -104,23 +104,24 @@ class DiLoCo:
         self.buffers = BufferAverage(self.module, buffers)  # checks the mode before any collective
         self._buffers_by_exchange = False  # True once an exchange that averages them replaced ours
         self.topology = _topology(self.island, group, own_groups=delay > 0)
+        t = self.topology
         # Every replica starts from the same point: outer rank 0's parameters and buffers.
         start = list(self.module.parameters()) + list(self.module.buffers())
         with torch.no_grad():
-            broadcast_coalesced(start, self.topology.source, self.topology.outer)
+            if t.sends_across:
+                broadcast_coalesced(start, t.source, t.outer)
+            if not t.equal_islands:  # members without counterparts take them from their island's first member
+                broadcast_coalesced(start, dist.get_global_rank(t.island, 0), t.island)
         self.fragments = [Fragment(p, layers) for p, layers in enumerate(fragment_layers(self.module, fragments))]
-        t = self.topology
         self.feedback = (  # [Note: error feedback] in error_feedback.py
-            ErrorFeedback([slice_length(f.numel, t.island_size, t.island_rank) for f in self.fragments])
-            if error_feedback
-            else None
+            ErrorFeedback([_slice_of(f.numel, t) for f in self.fragments]) if error_feedback else None
         )
         self.outer_optimizer = (outer_optimizer or nesterov)([f.theta for f in self.fragments])
         checks.check_outer_optimizer(self.outer_optimizer)
         agreed = {**self._description(), "alpha": self.alpha, "merge": merge, "buffers": buffers}
         agreed["outer"] = type(self.outer_optimizer).__name__
         agreed["sizes"] = [(f.numel, str(f.theta.dtype)) for f in self.fragments]
-        groups = [self.topology.outer] + ([self.topology.island] if self.topology.island is not None else [])
+        groups = [g for g in (t.outer, t.island) if g is not None]
         checks.check_replicas_agree(agreed, groups)
         self.exchange = OuterExchange(self.topology, self.wire_format, overlap=delay > 0)
         self.step_count = 0  # inner steps taken: the schedule's clock, the same on every replica
@@ -151,6 +152,12 @@ class DiLoCo:
         outer steps; each exchange inside carries 8 more bytes."""
         if self._uneven is not None:
             raise RuntimeError(f"outer.join() is already active on rank {dist.get_rank()}; do not nest it.")
+        if not self.topology.equal_islands:
+            raise RuntimeError(
+                f"outer.join() over islands of unequal size is not supported (rank {dist.get_rank()}): the members "
+                "without counterparts would not learn who contributed. Give the islands equal sizes, or even out "
+                "the data so that every island takes the same number of steps."
+            )
         self._uneven = UnevenInputs(self.schedule.sync_every, self.schedule.fragments)
         try:
             yield
@@ -214,7 +221,14 @@ class DiLoCo:
                 if self._uneven is not None:
                     self._uneven.landed(averaged.active)
                 if self.round_ends_at(landing) and self.buffers.to_average and not self._buffers_by_exchange:
-                    self.buffers.average(self.topology.outer, self.topology.source)  # once a round, none in flight
+                    self._average_buffers()
+
+    def _average_buffers(self) -> None:
+        """Once a round, with nothing in flight. Over islands each member averages with its counterparts; a
+        larger island's members without any keep theirs, which their island's DDP replaces with its first
+        member's (averaged) at the next forward, as it does for every member."""
+        if self.topology.sends_across:
+            self.buffers.average(self.topology.outer, self.topology.source)
 
     def round_ends_at(self, landing: int | None) -> bool:
         """Whether fragment ``landing``'s outer step is the round's last (when buffers are averaged)."""
@@ -368,3 +382,8 @@ def _topology(
             "with a DistributedDataParallel model (its process group is the island)."
         )
     return topology.islands(island.process_group, own_groups)
+
+
+def _slice_of(numel: int, t: topology.Topology) -> int:
+    """How many of a fragment's ``numel`` values this process sends across (its island slice; none past them)."""
+    return slice_length(numel, t.slices, t.island_rank) if t.sends_across else 0

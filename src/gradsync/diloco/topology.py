@@ -8,7 +8,16 @@ parameters bit for bit. Across islands the link is slow, so no member sends the 
 gradient: member ``s`` of every island forms a *counterpart group* with member ``s`` of every other
 island, and each counterpart group exchanges slice ``s`` of the outer gradient (1/S of it). The
 island then all-gathers the ``S`` averaged slices over its fast link, so every member ends with
-the whole average, and applies the same outer step. Islands must have the same size.
+the whole average, and applies the same outer step.
+
+Islands may differ in size. The outer gradient is then cut into as many slices as the *smallest*
+island has members: member ``s`` of every island, for ``s`` below that size, forms counterpart
+group ``s`` and exchanges slice ``s``; a larger island's other members have no counterparts and
+send nothing across, and receive the averaged slices from their island mates in the island
+all-gather (their share of the slow link is zero; the smallest island's members carry one slice
+each, as with equal islands of that size). Every island is one replica of the average, whatever
+its size, as DiLoCo's replicas are; its members train on more rows per step together, which is
+the island's own business (its DDP averages over them).
 
 [Note: groups of our own]
 With ``delay > 0`` the exchange runs on a thread of its own while the training loop goes on, and
@@ -26,14 +35,23 @@ import torch.distributed as dist
 
 
 class Topology(NamedTuple):
-    outer: dist.ProcessGroup  # the replicas, or this member's counterparts in the other islands
+    # the replicas, or this member's counterparts in the other islands; None: a member of a larger island
+    # with no counterparts, which sends nothing across ([Note: islands])
+    outer: dist.ProcessGroup | None
     island: dist.ProcessGroup | None  # this island's members (the exchange's own copy); None: plain replicas
-    outer_rank: int
-    outer_size: int
+    outer_rank: int  # this replica's (island's) index
+    outer_size: int  # replicas (islands)
     island_rank: int
     island_size: int
-    source: int  # global rank every parameter is broadcast from at construction (outer rank 0)
+    source: int | None  # global rank every parameter is broadcast from at construction over ``outer``
     owned: tuple[dist.ProcessGroup, ...]  # groups made here, destroyed by close()
+    slices: int = 1  # the outer gradient's slices across an island: the smallest island's size
+    equal_islands: bool = True
+
+    @property
+    def sends_across(self) -> bool:
+        """Whether this process exchanges a slice with counterparts (False only in a larger island)."""
+        return self.outer is not None
 
 
 def _new_group(ranks: list[int]) -> dist.ProcessGroup:
@@ -55,12 +73,6 @@ def islands(island_group: dist.ProcessGroup, own_groups: bool) -> Topology:
     everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     found = sorted({tuple(ranks) for ranks in everyone if ranks is not None})
-    sizes = {len(ranks) for ranks in found}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"DiLoCo over islands needs islands of one size; the DDPs' process groups are {found} (seen on rank "
-            f"{rank}). Give every island the same number of processes."
-        )
     overlapping = [ranks for ranks in found if set(ranks) & set(mine) and ranks != mine]
     if overlapping or sum(len(ranks) for ranks in found) != dist.get_world_size():
         raise ValueError(
@@ -73,16 +85,19 @@ def islands(island_group: dist.ProcessGroup, own_groups: bool) -> Topology:
             "only one island, so nothing is exchanged across islands. Build the DDP over the process group of "
             "one island (dist.new_group(island_ranks)) or pass the plain module."
         )
-    size = len(mine)
     island_rank = mine.index(rank)
     island_id = found.index(mine)
+    slices = min(len(ranks) for ranks in found)  # [Note: islands]: the smallest island's members each carry one
     # Every process makes every group, in the same order: new_group is collective over the default group.
-    counterparts = [_new_group([ranks[s] for ranks in found]) for s in range(size)]
+    counterparts = [_new_group([ranks[s] for ranks in found]) for s in range(slices)]
     island_copies = [_new_group(list(ranks)) for ranks in found] if own_groups else []
-    outer = counterparts[island_rank]
+    has_counterparts = island_rank < slices
+    outer = counterparts[island_rank] if has_counterparts else None
+    source = found[0][island_rank] if has_counterparts else None
     island = island_copies[island_id] if own_groups else island_group
     owned = tuple(counterparts) + tuple(island_copies)
-    return Topology(outer, island, island_id, len(found), island_rank, size, found[0][island_rank], owned)
+    equal = len({len(ranks) for ranks in found}) == 1
+    return Topology(outer, island, island_id, len(found), island_rank, len(mine), source, owned, slices, equal)
 
 
 def close(topology: Topology) -> None:
