@@ -16,7 +16,7 @@ import gradsync
 from gradsync import DistributedDataParallel as DDP
 
 from harness import run_distributed
-from models import MLP, UnusedBranch, global_batch, loss_fn, make_model, rank_world, shard
+from models import MLP, UnusedBranch, global_batch, loss_fn, make_model, rank_world, reference_step, shard
 
 # MLP(): 4 x Linear(16, 16) + Linear(16, 4): 4 x 272 + 68 = 1156 floats = 4624 bytes.
 MLP_PARAM_BYTES = 4 * (16 * 16 + 16) * 4 + (16 * 4 + 4) * 4
@@ -180,6 +180,31 @@ def test_desync_names_each_ranks_position() -> None:
         assert "ranks disagree on the next collective" in message
         assert "rank 0 is about to issue all-reduce of bucket 0" in message and "synced forward #2" in message
         assert "rank 1 is about to issue all-reduce of bucket 0" in message and "synced forward #3" in message
+
+
+def _desync_over_subgroups() -> float:
+    """Two DDPs over two subgroups of four processes, desync detection on in both: each island's members make
+    their helper group alone ([Note: groups made by their members]); the island's gradients are its own."""
+    rank, world = rank_world()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    island = rank // 2
+    ddp = DDP(make_model("mlp"), process_group=groups[island])
+    ddp.enable_desync_detection(timeout_s=20)
+    x, y = global_batch("mlp", world, 0)
+    loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
+    reference = make_model("mlp")
+    reference_step(reference, shard(x, island, 2), shard(y, island, 2), 2)  # the island's two shards
+    worst = max(
+        ((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+        for p, q in zip(ddp.parameters(), reference.parameters())
+    )
+    for group in groups:
+        dist.destroy_process_group(group)
+    return worst
+
+
+def test_desync_detection_over_subgroups() -> None:
+    assert max(run_distributed(_desync_over_subgroups, 4, isolated=True, timeout_s=60)) <= 1e-6
 
 
 def _missing_rank() -> str:

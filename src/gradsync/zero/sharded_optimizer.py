@@ -46,6 +46,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..collectives.broadcast import broadcast_int_list
+from ..collectives.groups import group_of_members
 from ..engine.reduce_scatter import ReduceScatter
 from ..engine.reducer import Reducer
 from ..engine.reductions import CommHookReduction
@@ -105,11 +106,12 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._rank = dist.get_rank(self._group)
         ranks = [dist.get_global_rank(self._group, r) for r in range(dist.get_world_size(self._group))]
         self._timeout = timedelta(seconds=state_dict_timeout_s)
-        self._helper = dist.new_group(ranks, backend="gloo", timeout=self._timeout)  # state_dict's check
+        # state_dict's check; made by this DDP's ranks alone ([Note: groups made by their members])
+        self._helper = group_of_members(ranks, backend="gloo", timeout=self._timeout)
         self._join = ShardedJoin(self._group, self._engine.buckets.device)
         Joinable.__init__(self)
         # Stepping in backward: the gathers start as buckets drain, on a group of their own (param_buffers.py).
-        gathers = dist.new_group(ranks, backend=dist.get_backend(self._group)) if step_in_backward else None
+        gathers = group_of_members(ranks, backend=dist.get_backend(self._group)) if step_in_backward else None
         self._params = ParamBuffers(ddp.module, engine.params, engine.names, self._group, gathers)
         self._order: list[int] | None = None  # the gather order, once the ranks agreed on one
         self._shards = PieceOptimizer(optimizer_class, defaults, self.param_groups, engine.params)  # pieces.py
