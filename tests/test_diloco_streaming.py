@@ -335,6 +335,53 @@ def test_islands_of_ddp_exchange_slices_and_match_the_simulation(micro: int) -> 
         assert r["island_bytes"] == 2 * 4 * slice_values, r  # and hands its averaged slice to its island mate
 
 
+def _islands_with_zero(stage: int, delay: int) -> dict:
+    """2 islands x 2 processes, gradsync.zero's ShardedOptimizer (AdamW) inside each island, DiLoCo across."""
+    rank, world = rank_world()
+    islands = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    island = rank // 2
+    model = make_model("mlp")
+    replicas = [copy.deepcopy(model) for _ in range(2)]
+    ddp = DDP(model, process_group=islands[island])
+    inner = ShardedOptimizer(ddp, torch.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.1)  # ADAMW's settings
+    outer = diloco.DiLoCo(ddp, inner, sync_every=3, fragments=1, delay=delay)
+    steps = 7
+    for t in range(steps):
+        x, y = global_batch("mlp", 4, t)
+        x, y = shard(x, rank, 4), shard(y, rank, 4)
+        outer.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        outer.step()  # the shards' all-gathers are in flight after it, outer steps included
+    outer.close()
+    inner.wait_for_params()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+
+    def island_batch(i: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = global_batch("mlp", 4, t)
+        return shard(x, i, 2), shard(y, i, 2)
+
+    simulated, _ = simulate(replicas, ADAMW, diloco.nesterov, island_batch, steps, 3, 1, delay, 0.5)
+    for group in islands:
+        dist.destroy_process_group(group)
+    return {
+        "same_island": torch.equal(gathered[rank], gathered[rank ^ 1]),
+        "difference": params_relative(model, simulated[island]),
+        "other_island": params_relative(model, simulated[1 - island]),
+    }
+
+
+@pytest.mark.parametrize("stage, delay", [(2, 0), (1, 1), (2, 1)])
+def test_zero_inside_islands_matches_the_simulation(stage: int, delay: int) -> None:
+    """The inner optimizer sharded over each island: its all-gathers after every step are finished before an
+    outer step reads or writes the parameters; the result is the two-replica simulation with plain AdamW."""
+    for r in run_distributed(_islands_with_zero, 4, stage, delay, timeout_s=60):
+        assert r["same_island"], r
+        assert r["difference"] <= 1e-5, r
+        assert r["other_island"] > 1e-4, r  # negative control: the islands' own replicas differ
+
+
 def _unequal_islands(layout: tuple[tuple[int, ...], ...], delay: int, error_feedback: bool) -> dict:
     """Islands of unequal size, each training on its own rows (split evenly among its members)."""
     rank, world = rank_world()
@@ -435,7 +482,8 @@ def _misuse() -> list[str]:
     expect(ValueError, "only one island", lambda: diloco.DiLoCo(whole, torch.optim.SGD(whole.parameters(), lr=1), 4))
     sharded_ddp = DDP(make_model("mlp"))
     sharded = ShardedOptimizer(sharded_ddp, torch.optim.SGD, lr=0.1)
-    expect(NotImplementedError, "ShardedOptimizer", lambda: diloco.DiLoCo(sharded_ddp, sharded, 4))
+    expect(ValueError, "needs the island's gradsync", lambda: diloco.DiLoCo(sharded_ddp.module, sharded, 4))
+    expect(ValueError, "only one island", lambda: diloco.DiLoCo(sharded_ddp, sharded, 4))
     differs = r"ranks \[1\] differ from rank 0 in \['sync_every'\]"
     expect(ValueError, differs, lambda: diloco.DiLoCo(model, sgd, 4 + rank))  # not a hang
     saved = diloco.DiLoCo(model, sgd, 4).state_dict()
@@ -452,7 +500,7 @@ def _misuse() -> list[str]:
 
 
 def test_misuse_raises_errors_that_name_the_fix() -> None:
-    assert len(run_distributed(_misuse, 2, timeout_s=30)[0]) == 18
+    assert len(run_distributed(_misuse, 2, timeout_s=30)[0]) == 19
 
 
 def _inner_steps_do_no_outer_work(H: int) -> list[int]:

@@ -44,11 +44,11 @@ def check_model(model: Any) -> None:
 
 def check_inner_optimizer(model: nn.Module, inner: Any) -> None:
     rank = dist.get_rank()
-    if _from(inner, "gradsync.zero"):
-        raise NotImplementedError(
-            f"DiLoCo with gradsync.zero's ShardedOptimizer as the inner optimizer is not supported yet (rank "
-            f"{rank}): its parameters are views of buffers it gathers after each step, which DiLoCo's outer step "
-            "would write around. Use an ordinary torch.optim optimizer inside the island."
+    if _from(inner, "gradsync.zero") and not isinstance(model, DataParallelWrapper):
+        raise ValueError(
+            f"DiLoCo with gradsync.zero's ShardedOptimizer as the inner optimizer needs the island's gradsync "
+            f"DistributedDataParallel as its model (rank {rank}): the optimizer shards over that DDP's group. Pass "
+            "the DDP the ShardedOptimizer was built over, not its module."
         )
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}.")

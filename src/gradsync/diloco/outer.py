@@ -105,6 +105,7 @@ class DiLoCo:
         self._buffers_by_exchange = False  # True once an exchange that averages them replaced ours
         self.topology = _topology(self.island, group, own_groups=delay > 0)
         t = self.topology
+        self._wait_for_params()  # an inner optimizer stepped before DiLoCo was built may still be gathering
         # Every replica starts from the same point: outer rank 0's parameters and buffers.
         start = list(self.module.parameters()) + list(self.module.buffers())
         with torch.no_grad():
@@ -201,6 +202,7 @@ class DiLoCo:
     # -- outer steps -----------------------------------------------------------------------------
 
     def _at_event(self, step: int) -> None:
+        self._wait_for_params()
         starting = self.schedule.starting_after(step)
         if starting is not None:
             assert self._in_flight is None, "a fragment started while another was in flight (the schedule forbids it)"
@@ -222,6 +224,14 @@ class DiLoCo:
                     self._uneven.landed(averaged.active)
                 if self.round_ends_at(landing) and self.buffers.to_average and not self._buffers_by_exchange:
                     self._average_buffers()
+
+    def _wait_for_params(self) -> None:
+        """An inner optimizer that gathers parameters after its step (gradsync.zero's ShardedOptimizer inside
+        an island) finishes that first: an outer step reads and writes whole parameters, and a gather landing
+        after the write would put the pre-outer-step values back. Only at outer-step events."""
+        wait = getattr(self.inner, "wait_for_params", None)
+        if wait is not None:
+            wait()
 
     def _average_buffers(self) -> None:
         """Once a round, with nothing in flight. Over islands each member averages with its counterparts; a
