@@ -6,6 +6,7 @@
         --sync-every 50 --fragments 2 --delay 2 --wire int8 --error-feedback   # Streaming DiLoCo, int8 outer gradients
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_charlm.py --mode diloco \\
         --island-size 2                                                 # 2 islands of a 2-process DDP each
+    (add ``--zero-stage 2`` to shard AdamW's state and the gradients over each island: gradsync.zero inside)
 
 Fault tolerant (``--elastic``, DiLoCo only): a store that belongs to no trainer, then one torchrun
 per replica, so that a dead replica is restarted alone; it is healed from a live one and the others
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync.diloco
+import gradsync.zero
 from gradsync import DistributedDataParallel as DDP
 from gradsync import elastic
 from gradsync.elastic_diloco import FaultTolerantDiLoCo
@@ -107,6 +109,14 @@ def validation_loss(model: nn.Module, data: torch.Tensor, batches: int = 10, siz
     return sum(losses) / len(losses)
 
 
+def adamw(trained: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """The inner optimizer: AdamW, or with ``--zero-stage`` AdamW sharded over the DDP's processes."""
+    settings = {"lr": args.lr, "weight_decay": 0.1, "betas": (0.9, 0.95)}
+    if args.zero_stage:
+        return gradsync.zero.ShardedOptimizer(trained, torch.optim.AdamW, stage=args.zero_stage, **settings)
+    return torch.optim.AdamW(trained.parameters(), **settings)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["ddp", "diloco", "local"], default="diloco")
@@ -132,13 +142,22 @@ def main() -> None:
     )
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--island-size", type=int, default=1, help="processes per island (DDP inside, DiLoCo across)")
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2],
+        default=0,
+        help="with --mode ddp or --island-size > 1: gradsync.zero shards AdamW over the DDP's processes (0: off)",
+    )
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--elastic", action="store_true", help="fault tolerant DiLoCo over gradsync.elastic")
     parser.add_argument("--replica", type=int, default=0, help="with --elastic: this replica's data slot")
     args = parser.parse_args()
-    if args.elastic and (args.mode != "diloco" or args.island_size > 1):
+    if args.elastic and (args.mode != "diloco" or args.island_size > 1 or args.zero_stage):
         raise SystemExit("--elastic runs --mode diloco with plain replicas (docs/diloco.md)")
+    if args.zero_stage and args.mode != "ddp" and args.island_size == 1:
+        raise SystemExit("--zero-stage shards over a DDP: use it with --mode ddp or with --island-size > 1")
 
     torch.set_num_threads(1)
     if args.elastic:
@@ -156,7 +175,7 @@ def main() -> None:
         return
     if args.mode == "ddp":
         trained = DDP(model)
-        inner = torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+        inner = adamw(trained, args)
         stepper = inner
     else:
         trained = model
@@ -166,7 +185,7 @@ def main() -> None:
             islands = [list(range(i, i + args.island_size)) for i in range(0, world, args.island_size)]
             groups = [dist.new_group(ranks) for ranks in islands]  # every process makes every group
             trained = DDP(model, process_group=groups[rank // args.island_size])
-        inner = torch.optim.AdamW(trained.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+        inner = adamw(trained, args)
         knobs = {"fragments": fragments_of(model, args), "delay": args.delay, "alpha": args.alpha, "wire": args.wire}
         knobs.update(merge=args.merge, error_feedback=args.error_feedback)
         if args.mode == "local":
