@@ -273,39 +273,23 @@ def test_a_resumed_run_continues_bitwise(merge: str) -> None:
     assert not all(torch.equal(p, q) for p, q in zip(whole[0], fresh[0]))
 
 
-def _islands(micro: int) -> dict:
-    rank, world = rank_world()
-    islands = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    island, member = rank // 2, rank % 2
-    model = make_model("mlp")
-    replicas = [copy.deepcopy(model) for _ in range(2)]
-    ddp = DDP(model, process_group=islands[island])
-    ddp.register_comm_hook(AllReduceState(islands[island]), allreduce_hook)  # a comm hook inside the island
-    outer = diloco.DiLoCo(ddp, ADAMW(ddp.parameters()), sync_every=3, fragments=1, delay=1 if micro == 1 else 0)
-    steps = 7
-    for t in range(steps):
-        x, y = global_batch("mlp", 4, t)  # island i trains on rows of members 2i, 2i+1
-        x, y = shard(x, rank, 4), shard(y, rank, 4)
-        outer.zero_grad()
-        for m in range(micro):  # gradient accumulation inside the island: no_sync, then a synced backward
-            part = slice(m * 4 // micro, (m + 1) * 4 // micro)
-            if m < micro - 1:
-                with ddp.no_sync():
-                    (loss_fn(ddp(x[part]), y[part]) / micro).backward()
-            else:
-                (loss_fn(ddp(x[part]), y[part]) / micro).backward()
-        outer.step()
+def _island_rows(i: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Island ``i``'s rows at inner step ``t``: half of a 16-row batch (two islands); its members split them."""
+    x, y = global_batch("mlp", 4, t)
+    return shard(x, i, 2), shard(y, i, 2)
+
+
+def _against_two_replicas(outer: diloco.DiLoCo, model: nn.Module, island: int, islands: list, steps: int) -> dict:
+    """After training two islands: ``outer`` closed, ``theta_global`` compared across every process, this
+    island's parameters against the one-process simulation of the two islands as two replicas (plain AdamW
+    from the same start), the islands' groups destroyed."""
     outer.close()
     flat = torch.cat([p.detach().reshape(-1) for p in outer.global_parameters])
-    gathered = [torch.empty_like(flat) for _ in range(world)]
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
-
-    def island_batch(i: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = global_batch("mlp", 4, t)
-        return shard(x, i, 2), shard(y, i, 2)
-
-    delay = 1 if micro == 1 else 0
-    simulated, _ = simulate(replicas, ADAMW, diloco.nesterov, island_batch, steps, 3, 1, delay, 0.5)
+    replicas = [make_model("mlp") for _ in range(2)]  # every test here starts from make_model("mlp")'s weights
+    delay = outer.schedule.delay
+    simulated, _ = simulate(replicas, ADAMW, diloco.nesterov, _island_rows, steps, 3, 1, delay, 0.5)
     for group in islands:
         dist.destroy_process_group(group)
     return {
@@ -315,8 +299,31 @@ def _islands(micro: int) -> dict:
         "sent": outer.wire.sent_bytes,
         "island_bytes": outer.wire.island_bytes,
         "numel": flat.numel(),
-        "member": member,
     }
+
+
+def _islands(micro: int) -> dict:
+    rank, world = rank_world()
+    islands = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    island, member = rank // 2, rank % 2
+    model = make_model("mlp")
+    ddp = DDP(model, process_group=islands[island])
+    ddp.register_comm_hook(AllReduceState(islands[island]), allreduce_hook)  # a comm hook inside the island
+    outer = diloco.DiLoCo(ddp, ADAMW(ddp.parameters()), sync_every=3, fragments=1, delay=1 if micro == 1 else 0)
+    steps = 7
+    for t in range(steps):
+        x, y = _island_rows(island, t)  # island i trains on rows of members 2i, 2i+1
+        x, y = shard(x, member, 2), shard(y, member, 2)
+        outer.zero_grad()
+        for m in range(micro):  # gradient accumulation inside the island: no_sync, then a synced backward
+            part = slice(m * 4 // micro, (m + 1) * 4 // micro)
+            if m < micro - 1:
+                with ddp.no_sync():
+                    (loss_fn(ddp(x[part]), y[part]) / micro).backward()
+            else:
+                (loss_fn(ddp(x[part]), y[part]) / micro).backward()
+        outer.step()
+    return {**_against_two_replicas(outer, model, island, islands, steps), "member": member}
 
 
 @pytest.mark.parametrize("micro", [1, 2])
@@ -339,37 +346,20 @@ def _islands_with_zero(stage: int, delay: int) -> dict:
     """2 islands x 2 processes, gradsync.zero's ShardedOptimizer (AdamW) inside each island, DiLoCo across."""
     rank, world = rank_world()
     islands = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    island = rank // 2
+    island, member = rank // 2, rank % 2
     model = make_model("mlp")
-    replicas = [copy.deepcopy(model) for _ in range(2)]
     ddp = DDP(model, process_group=islands[island])
     inner = ShardedOptimizer(ddp, torch.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.1)  # ADAMW's settings
     outer = diloco.DiLoCo(ddp, inner, sync_every=3, fragments=1, delay=delay)
     steps = 7
     for t in range(steps):
-        x, y = global_batch("mlp", 4, t)
-        x, y = shard(x, rank, 4), shard(y, rank, 4)
+        x, y = _island_rows(island, t)
+        x, y = shard(x, member, 2), shard(y, member, 2)
         outer.zero_grad()
         loss_fn(ddp(x), y).backward()
         outer.step()  # the shards' all-gathers are in flight after it, outer steps included
-    outer.close()
     inner.wait_for_params()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(gathered, flat)
-
-    def island_batch(i: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = global_batch("mlp", 4, t)
-        return shard(x, i, 2), shard(y, i, 2)
-
-    simulated, _ = simulate(replicas, ADAMW, diloco.nesterov, island_batch, steps, 3, 1, delay, 0.5)
-    for group in islands:
-        dist.destroy_process_group(group)
-    return {
-        "same_island": torch.equal(gathered[rank], gathered[rank ^ 1]),
-        "difference": params_relative(model, simulated[island]),
-        "other_island": params_relative(model, simulated[1 - island]),
-    }
+    return _against_two_replicas(outer, model, island, islands, steps)
 
 
 @pytest.mark.parametrize("stage, delay", [(2, 0), (1, 1), (2, 1)])
@@ -377,7 +367,7 @@ def test_zero_inside_islands_matches_the_simulation(stage: int, delay: int) -> N
     """The inner optimizer sharded over each island: its all-gathers after every step are finished before an
     outer step reads or writes the parameters; the result is the two-replica simulation with plain AdamW."""
     for r in run_distributed(_islands_with_zero, 4, stage, delay, timeout_s=60):
-        assert r["same_island"], r
+        assert r["identical"], r
         assert r["difference"] <= 1e-5, r
         assert r["other_island"] > 1e-4, r  # negative control: the islands' own replicas differ
 
@@ -388,20 +378,14 @@ def _unequal_islands(layout: tuple[tuple[int, ...], ...], delay: int, error_feed
     islands = [dist.new_group(list(ranks)) for ranks in layout]
     island = next(i for i, ranks in enumerate(layout) if rank in ranks)
     members = layout[island]
-    model = make_model("mlp", seed=rank)  # different starting weights: DiLoCo must make them one
-    replicas = [copy.deepcopy(make_model("mlp", seed=layout[0][0])) for _ in layout]
+    model = make_model("mlp", seed=rank)  # different starting weights: DiLoCo must make them one (rank 0's)
     ddp = DDP(model, process_group=islands[island])
     wire = "int8" if error_feedback else "fp32"
     knobs = {"fragments": 1, "delay": delay, "wire": wire, "error_feedback": error_feedback}
     outer = diloco.DiLoCo(ddp, ADAMW(ddp.parameters()), sync_every=3, **knobs)
-
-    def island_batch(i: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = global_batch("mlp", 4, t)  # 16 rows: island i takes half, its members split that half
-        return shard(x, i, 2), shard(y, i, 2)
-
     steps = 7
     for t in range(steps):
-        x, y = island_batch(island, t)
+        x, y = _island_rows(island, t)
         x, y = shard(x, members.index(rank), len(members)), shard(y, members.index(rank), len(members))
         outer.zero_grad()
         loss_fn(ddp(x), y).backward()
@@ -411,22 +395,9 @@ def _unequal_islands(layout: tuple[tuple[int, ...], ...], delay: int, error_feed
             refused = ""
     except RuntimeError as error:
         refused = str(error)
-    outer.close()
-    flat = torch.cat([p.detach().reshape(-1) for p in outer.global_parameters])
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(gathered, flat)
-    simulated, _ = simulate(replicas, ADAMW, diloco.nesterov, island_batch, steps, 3, 1, delay, 0.5)
-    for group in islands:
-        dist.destroy_process_group(group)
-    return {
-        "identical": all(torch.equal(gathered[0], g) for g in gathered),
-        "difference": params_relative(model, simulated[island]),
-        "other_island": params_relative(model, simulated[1 - island]),
-        "sent": outer.wire.sent_bytes,
-        "numel": flat.numel(),
-        "has_counterparts": members.index(rank) < min(len(ranks) for ranks in layout),
-        "join_refused": refused,
-    }
+    result = _against_two_replicas(outer, model, island, islands, steps)
+    has_counterparts = members.index(rank) < min(len(ranks) for ranks in layout)
+    return {**result, "has_counterparts": has_counterparts, "join_refused": refused}
 
 
 @pytest.mark.parametrize(
