@@ -47,6 +47,7 @@ STUDIES: dict[str, tuple[str, bool, str]] = {
     "diloco_faults": (LAUNCHER, False, " --runs 5 --stores tcp,etcd"),
     "gpu_step": (SINGLE, False, ""),
     "gpu_host_profile": (SINGLE, False, ""),
+    "gpu_launch_cost": (SINGLE, False, ""),
 }
 HEADLINE = "iteration"  # make bench
 
