@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.lib import launch
-from benchmarks.lib.common import free_port, paired_ratio, report_path, revision
+from benchmarks.lib.common import paired_ratio, report_path, revision
 from benchmarks.lib.overhead import SectionTimer
-from benchmarks.studies.gpu_step import GPT, Contender, build, step, timed_block
+from benchmarks.studies.gpu_step import GPT, Contender, build, nccl_world_of_one, step, timed_block
 from gradsync.engine.streams import StreamOrder
 from gradsync.observability.cuda_clock import CudaClock
 
@@ -246,13 +246,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--step-time-batch", type=int, default=8, help="also: variants' GPU step time at this batch")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_host_profile: no CUDA device here (torch.cuda.is_available() is False); nothing to measure")
+    if not nccl_world_of_one("gpu_host_profile"):
         return
-    torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
-    )
     torch.manual_seed(0)
     base = GPT().cuda()
     tokens = torch.randint(0, base.wte.num_embeddings, (args.batch, 1024), device="cuda")

@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.lib.common import free_port
-from benchmarks.studies.gpu_step import GPT, VOCAB
+from benchmarks.studies.gpu_step import GPT, VOCAB, nccl_world_of_one
 
 HOOKED = 14  # as many hooks as the model has buckets under gradsync's defaults
 CALLS = 200
@@ -121,13 +120,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_launch_cost: no CUDA device here (torch.cuda.is_available() is False); nothing to measure")
+    if not nccl_world_of_one("gpu_launch_cost"):
         return
-    torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
-    )
     torch.manual_seed(0)
     model = GPT().cuda()
     buffer = torch.zeros(2 * 2**20, dtype=torch.bfloat16, device="cuda")

@@ -330,6 +330,19 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> list
     return lines
 
 
+def nccl_world_of_one(study: str) -> bool:
+    """This process as a world of one on NCCL over GPU 0 (the GPU studies' setting); False, saying so, without CUDA."""
+    if not torch.cuda.is_available():
+        print(f"{study}: no CUDA device on this machine (torch.cuda.is_available() is False); nothing to measure")
+        return False
+    torch.cuda.set_device(0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
+    )
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 1])
@@ -337,14 +350,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, help="also write results.json and the report here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_step: no CUDA device on this machine (torch.cuda.is_available() is False); nothing to measure")
+    if not nccl_world_of_one("gpu_step"):
         return
-    torch.cuda.set_device(0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, device_id=torch.device("cuda", 0)
-    )
     torch.manual_seed(0)
     base = GPT().cuda()
     results = {}
