@@ -120,8 +120,13 @@ class OuterExchange:
         contributors, active, contributes = float(t.outer_size), t.outer_size, True
         if flags is not None:
             counts = torch.tensor(flags, dtype=torch.float32)
-            self._collective(dist.all_reduce, counts, group=t.outer)
-            self.count.sent_bytes += all_reduce_bytes(counts, t.outer_size)
+            if t.sends_across:
+                self._collective(dist.all_reduce, counts, group=t.outer)
+                self.count.sent_bytes += all_reduce_bytes(counts, t.outer_size)
+            if not t.equal_islands:  # members without counterparts hear the counts from their island's first
+                self._collective(dist.broadcast, counts, dist.get_global_rank(t.island, 0), group=t.island)
+                if t.island_rank == 0:
+                    self.count.island_bytes += counts.numel() * counts.element_size() * (t.island_size - 1)
             contributors, active = counts[0].item(), int(counts[1].item())
             if contributors == 0:
                 return Averaged(None, active, residuals)

@@ -153,12 +153,6 @@ class DiLoCo:
         outer steps; each exchange inside carries 8 more bytes."""
         if self._uneven is not None:
             raise RuntimeError(f"outer.join() is already active on rank {dist.get_rank()}; do not nest it.")
-        if not self.topology.equal_islands:
-            raise RuntimeError(
-                f"outer.join() over islands of unequal size is not supported (rank {dist.get_rank()}): the members "
-                "without counterparts would not learn who contributed. Give the islands equal sizes, or even out "
-                "the data so that every island takes the same number of steps."
-            )
         self._uneven = UnevenInputs(self.schedule.sync_every, self.schedule.fragments)
         try:
             yield
