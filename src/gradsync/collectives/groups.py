@@ -3,7 +3,8 @@
 [Note: groups made by their members]
 torch's ``new_group`` is collective over the default group: every process calls it, with the same
 ranks, in the same order, and the group is named by a counter. A DDP or a sharded optimizer over
-a *subgroup* (one island of ``gradsync.diloco``) is built by that subgroup's members only, while
+a *subgroup* (one island of ``gradsync.diloco``), and its desync detector (made by the wrapper), are
+built by that subgroup's members only, while
 every other island builds its own at the same time: a helper group made there with ``new_group``
 would give island A's group and island B's the same name, and their ranks would meet in the store
 under one key (a hang, or worse, a group across islands). With ``use_local_synchronization=True``

@@ -124,7 +124,7 @@ class OuterExchange:
                 self._collective(dist.all_reduce, counts, group=t.outer)
                 self.count.sent_bytes += all_reduce_bytes(counts, t.outer_size)
             if not t.equal_islands:  # members without counterparts hear the counts from their island's first
-                self._collective(dist.broadcast, counts, dist.get_global_rank(t.island, 0), group=t.island)
+                self._collective(dist.broadcast, counts, t.island_source, group=t.island)
                 if t.island_rank == 0:
                     self.count.island_bytes += counts.numel() * counts.element_size() * (t.island_size - 1)
             contributors, active = counts[0].item(), int(counts[1].item())

@@ -112,7 +112,7 @@ class DiLoCo:
             if t.sends_across:
                 broadcast_coalesced(start, t.source, t.outer)
             if not t.equal_islands:  # members without counterparts take them from their island's first member
-                broadcast_coalesced(start, dist.get_global_rank(t.island, 0), t.island)
+                broadcast_coalesced(start, t.island_source, t.island)
         self.fragments = [Fragment(p, layers) for p, layers in enumerate(fragment_layers(self.module, fragments))]
         self.feedback = (  # [Note: error feedback] in error_feedback.py
             ErrorFeedback([_slice_of(f.numel, t) for f in self.fragments]) if error_feedback else None

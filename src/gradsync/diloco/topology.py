@@ -47,6 +47,7 @@ class Topology(NamedTuple):
     owned: tuple[dist.ProcessGroup, ...]  # groups made here, destroyed by close()
     slices: int = 1  # the outer gradient's slices across an island: the smallest island's size
     equal_islands: bool = True
+    island_source: int | None = None  # global rank of this island's first member; None: plain replicas
 
     @property
     def sends_across(self) -> bool:
@@ -97,7 +98,7 @@ def islands(island_group: dist.ProcessGroup, own_groups: bool) -> Topology:
     island = island_copies[island_id] if own_groups else island_group
     owned = tuple(counterparts) + tuple(island_copies)
     equal = len({len(ranks) for ranks in found}) == 1
-    return Topology(outer, island, island_id, len(found), island_rank, len(mine), source, owned, slices, equal)
+    return Topology(outer, island, island_id, len(found), island_rank, len(mine), source, owned, slices, equal, mine[0])
 
 
 def close(topology: Topology) -> None:

@@ -31,15 +31,12 @@ class Position(NamedTuple):
 class DesyncDetector:
     """Agree on every collective before issuing it; name who is where when ranks differ."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, helper: dist.ProcessGroup) -> None:
+        """``helper``: a gloo group over ``group``'s ranks (monitored_barrier needs gloo, whatever backend the
+        training group uses), made by whoever builds the detector ([Note: groups made by their members])."""
         self.group = group
         self.timeout = timedelta(seconds=timeout_s)
-        ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
-        # monitored_barrier needs gloo, whatever backend the training group uses. A DDP over a subgroup is
-        # built by its members alone, so they alone make this group ([Note: groups made by their members] in
-        # collectives/groups.py, a sibling layer this one does not import).
-        local = len(ranks) < dist.get_world_size()
-        self.helper = dist.new_group(ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=local)
+        self.helper = helper
         self.rank = dist.get_rank(group)
 
     def check(self, position: Position) -> None:

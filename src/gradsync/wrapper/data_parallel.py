@@ -13,6 +13,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ..collectives.groups import group_of_members
 from ..collectives.same_model import verify_same_parameters
 from ..engine import errors
 from ..engine.fused_optim import FusedOptimizer
@@ -379,7 +381,9 @@ class DataParallelWrapper(nn.Module, Joinable):
 
         Also switched on by the environment variable ``GRADSYNC_DEBUG=desync``.
         """
-        self.engine.desync = DesyncDetector(self.process_group, timeout_s)
+        ranks = dist.get_process_group_ranks(self.process_group)
+        helper = group_of_members(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.engine.desync = DesyncDetector(self.process_group, timeout_s, helper)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
