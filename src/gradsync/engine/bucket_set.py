@@ -7,20 +7,6 @@ may be replaced behind our back (``zero_grad(set_to_none=True)`` sets it to ``No
 autograd then creates a fresh tensor): ``gather_grads`` notices by identity, copies
 the fresh gradient in and points ``.grad`` back at the view.
 
-[Note: reducing a lone gradient in place]
-Without a comm hook, a bucket that holds a single dense parameter (``lone_oversized`` in
-buckets.py puts every parameter at least as large as its cap in one) is all-reduced
-directly in that parameter's ``.grad``: divided in place, summed in place, nothing copied
-in or out. Without bucket views the user sees what the copying path gives: the same
-``.grad`` tensor, holding the average. With bucket views, ``.grad`` is then the tensor the
-all-reduce ran in rather than a view of a separate buffer; for a one-parameter bucket
-that is the same thing (the gradient *is* the bucket), and it is what bucket views are for:
-no copy and no second copy of the gradient in memory. The flat buffer of such a bucket
-gets its memory only when first used (``BucketStorage.flat``): it serves only the
-iterations where the gradient cannot be used directly: no gradient on this rank, a
-gradient that is sparse, non-contiguous or part of a graph (``create_graph=True``), or a
-parameter that has post-accumulate-grad hooks of someone else (they may read ``.grad``).
-
 [Note: delayed all-reduce]
 ``delay_all_reduce_named_params`` keeps the named parameters out of the regular buckets: they
 get buckets of their own, placed in the launch order right after the bucket that holds
@@ -41,6 +27,7 @@ import torch
 from ..observability.timing import IterationTimes, now
 from .autograd_context import ContextGradients
 from .buckets import ParamInfo, assign_buckets
+from .in_place import InPlaceGradients
 from .results import check_result, failure_message, wait_for
 from .storage import BucketStorage
 
@@ -104,8 +91,7 @@ class BucketSet:
         self.device = params[0].device
         self._nbytes = sum(storage.nbytes for storage in self.storages)  # read every iteration
         self._backups: dict[int, torch.Tensor] = {}
-        self._in_place: set[int] = set()  # buckets reduced in their parameter's .grad this iteration
-        self._in_place_ptrs: dict[int, int] = {}  # data_ptr of each such .grad -> its parameter
+        self.in_place = InPlaceGradients()  # [Note: reducing a lone gradient in place] in in_place.py
         # Set for a backward under distributed autograd: gradients are read from and written into
         # its context, never .grad ([Note: DDP under distributed autograd] in autograd_context.py).
         self.context: ContextGradients | None = None
@@ -153,42 +139,18 @@ class BucketSet:
         return torch.sparse_coo_tensor(indices, param.new_empty((0, *param.shape[1:])), param.shape)
 
     def begin_iteration(self) -> None:
-        self._in_place.clear()
-        self._in_place_ptrs.clear()
+        self.in_place.clear()
         self._backups.clear()
 
     # ------------------------------------------------------------------ copy in
     def in_place_target(self, b: int, unused: set[int], names: list[str]) -> torch.Tensor | None:
-        """The ``.grad`` to reduce bucket ``b`` in, if it can be ([Note: reducing a lone gradient in place])."""
-        storage = self.storages[b]
-        if not storage.untouched or self.context is not None:
-            return None
-        param = storage.params[0]
-        grad = param.grad
-        if (
-            grad is None
-            or storage.param_indices[0] in unused
-            or grad.is_sparse
-            or grad.requires_grad
-            or not grad.is_contiguous()
-            or _has_other_post_accumulate_hooks(param)
-        ):
-            return None
-        self._check_not_in_flight([grad], [storage.param_indices[0]], names)
-        self._in_place.add(b)
-        self._in_place_ptrs[grad.data_ptr()] = storage.param_indices[0]
-        return grad
+        """The ``.grad`` to reduce bucket ``b`` in, if it can be.
 
-    def _check_not_in_flight(self, grads: list[torch.Tensor | None], indices: list[int], names: list[str]) -> None:
-        """A gradient being all-reduced in place must not be read or reduced again meanwhile."""
-        for grad, index in zip(grads, indices):
-            owner = None if grad is None else self._in_place_ptrs.get(grad.data_ptr())
-            if owner is not None:
-                raise RuntimeError(
-                    f"Parameters '{names[owner]}' and '{names[index]}' share one .grad tensor, which is "
-                    "being averaged in place; a gradient shared between parameters cannot be averaged "
-                    "for each of them. Give every parameter its own .grad (e.g. zero_grad(set_to_none=True))."
-                )
+        [Note: reducing a lone gradient in place] in in_place.py.
+        """
+        if self.context is not None:  # a dist backward's gradients live in its context, not .grad
+            return None
+        return self.in_place.target(b, self.storages[b], unused, names)
 
     def gather_grads(self, b: int, as_view: bool, unused: set[int], names: list[str], divisor: float = 1.0) -> None:
         """Put the current ``.grad`` of bucket ``b``'s parameters, divided by ``divisor``, into its flat buffer.
@@ -204,8 +166,8 @@ class BucketSet:
             grads = [p.grad for p in storage.params]
         else:  # the context keeps its own tensors: copied in and out, never aliased
             grads, as_view = self.context.read(storage.params), False
-        if self._in_place_ptrs:
-            self._check_not_in_flight(grads, storage.param_indices, names)
+        if self.in_place:
+            self.in_place.check_not_in_flight(grads, storage.param_indices, names)
         divide = divisor != 1.0  # a one-rank group averages over itself: no pass at all
         # Fast paths, one call per bucket where possible. ``None in grads`` would compare
         # tensors with ==; identity is what we mean.
@@ -352,7 +314,7 @@ class BucketSet:
         unused: set[int],
         hook_name: str | None,
     ) -> str | None:
-        if b in self._in_place:
+        if b in self.in_place.buckets:
             return None  # the average is already in .grad
         storage = self.storages[b]
         if storage.sparse:
@@ -405,18 +367,6 @@ class BucketSet:
                 param.grad = view.clone()
             else:
                 grad.copy_(view)
-
-
-def _has_other_post_accumulate_hooks(param: torch.Tensor) -> bool:
-    """Whether someone besides gradsync hooks this parameter after accumulation.
-
-    Such a hook may run after ours and read ``.grad``; with the copying path it sees the local
-    gradient (as with torch's DDP), with an in-place reduction it would see one in flight.
-    torch keeps these hooks in ``_post_accumulate_grad_hooks``; if that ever moves, we count
-    none and keep reducing in place.
-    """
-    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-    return hooks is not None and len(hooks) > 1  # ours is one of them
 
 
 def _copy_in(storage: BucketStorage, grads: list[torch.Tensor], divisor: float) -> None:

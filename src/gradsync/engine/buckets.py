@@ -14,7 +14,7 @@ that produces sparse gradients always gets a bucket of its own.
 With ``lone_oversized`` a dense parameter at least as large as the cap of the bucket it
 would join gets a bucket of its own instead, and that bucket stays open for the next
 parameters. Such a bucket can be reduced in place in the parameter's ``.grad``
-([Note: reducing a lone gradient in place] in bucket_set.py), which saves copying the
+([Note: reducing a lone gradient in place] in in_place.py), which saves copying the
 largest gradients in and out; the small parameters around it share a bucket.
 
 Buckets are launched in the order their *last* member is expected to become ready: the
