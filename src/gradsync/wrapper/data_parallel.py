@@ -13,7 +13,6 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..collectives.groups import group_of_members
 from ..collectives.same_model import verify_same_parameters
 from ..engine import errors
 from ..engine.fused_optim import FusedOptimizer
@@ -31,14 +29,13 @@ from ..engine.reducer import Reducer, ReducerState
 from ..engine.reductions import hook_name
 from ..hooks.shardable import shard_wire_dtype
 from ..observability import liveness
-from ..observability.desync import DesyncDetector
-from ..observability.divergence import DivergenceCheck
 from ..observability.labels import label
 from ..observability.stats import DDPStats
 from ..observability.timing import now
 from ..observability.trace import Timeline
 from ..sync_batchnorm import SyncBatchNorm
 from . import options, synced, uneven_inputs
+from .agreement_checks import AgreementChecks
 from .bucket_caps import auto_bucket_caps, default_bucket_caps, prefers_few_buckets, torch_default_caps
 from .device import move_to_device
 from .guard import ParameterGuard
@@ -104,7 +101,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         self._forward_collectives = [n for n, m in module.named_modules() if isinstance(m, SyncBatchNorm)]
         self._guard = ParameterGuard(module)
         self._join_divide_by_initial_world_size = True
-        self._divergence: DivergenceCheck | None = None
+        self._checks = AgreementChecks(self.process_group)  # divergence and desync, when switched on
         self._fused_optimizer: FusedOptimizer | None = None
         self._logged_error: str | None = None  # torch's logging data reports the last error
         self._caps_cut_for_link = False  # the default's caps were cut for a slow link
@@ -158,8 +155,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         reduction = self.engine.reduction
         if process_group is not None:
             self.process_group = process_group
-            if self._divergence is not None:
-                self._divergence.group = process_group
+            self._checks.follow(process_group)
         if changes:
             self._config = dataclasses.replace(self._config, **changes)
         self.engine = self._build_engine()  # it takes the parameters' hooks over from the old one
@@ -198,8 +194,8 @@ class DataParallelWrapper(nn.Module, Joinable):
             will_sync = grad_enabled and self.require_backward_grad_sync
             if grad_enabled:
                 self._guard.check(engine.rank)
-            if self._divergence is not None and will_sync and not self._join_config.enable:
-                self._divergence.maybe_check(engine.synced_forwards + 1)
+            if will_sync and not self._join_config.enable:
+                self._checks.before_synced_forward(engine.synced_forwards + 1)
             if self._join_config.enable:
                 uneven_inputs.check_forward_collectives(
                     self._forward_collectives, self._join_config.throw_on_early_termination
@@ -374,16 +370,14 @@ class DataParallelWrapper(nn.Module, Joinable):
         if include_buffers:
             names = {id(b): n for n, b in self.module.named_buffers()}
             named += [(names.get(id(b), "buffer"), b) for b in self._module_state.buffers]
-        self._divergence = DivergenceCheck(every, named, self.process_group)
+        self._checks.enable_divergence(every, named)
 
     def enable_desync_detection(self, timeout_s: float = 60.0) -> None:
         """Debug mode: ranks agree on every collective before issuing it (observability/desync.py).
 
         Also switched on by the environment variable ``GRADSYNC_DEBUG=desync``.
         """
-        ranks = dist.get_process_group_ranks(self.process_group)
-        helper = group_of_members(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
-        self.engine.desync = DesyncDetector(self.process_group, timeout_s, helper)
+        self.engine.desync = self._checks.desync_detector(timeout_s)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
@@ -395,14 +389,14 @@ class DataParallelWrapper(nn.Module, Joinable):
                 "ddp.module instead and wrap the copy again."
             )
         state = self.__dict__.copy()
-        # Autograd hook handles and the group are per-process; they are rebuilt on load.
-        del state["process_group"], state["engine"]
-        state["_divergence"] = None
+        # Autograd hook handles and the group are per-process; they are rebuilt on load (the checks off).
+        del state["process_group"], state["engine"], state["_checks"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         nn.Module.__setstate__(self, state)
         self.process_group = dist.group.WORLD
+        self._checks = AgreementChecks(self.process_group)
         self.engine = self._build_engine()
         self._guard.watch()
 
