@@ -162,10 +162,14 @@ def test_no_false_divergence_alarm() -> None:
     assert run_distributed(_divergence, 2, False) == ["", ""]
 
 
-def _skipped_backward() -> str:
+def _skipped_backward(rebuild: str = "") -> str:
     rank, world = rank_world()
     ddp = DDP(MLP())
     ddp.enable_desync_detection(timeout_s=20)
+    if rebuild == "static graph":  # a rebuilt engine: the detector must come along
+        ddp._set_static_graph()
+    elif rebuild == "new group":  # a new one, over the new group's members
+        ddp._update_process_group(dist.new_group([0, 1]))
     _train(ddp, 1)
     x, _ = global_batch("mlp", world, 9)
     if rank == 1:
@@ -175,8 +179,11 @@ def _skipped_backward() -> str:
     return str(error.value)
 
 
-def test_desync_names_each_ranks_position() -> None:
-    for message in run_distributed(_skipped_backward, 2, isolated=True):
+@pytest.mark.parametrize("rebuild", ["", "static graph", "new group"])
+def test_desync_names_each_ranks_position(rebuild: str) -> None:
+    """Also after the engine is rebuilt (``_set_static_graph``, ``_update_process_group``): without the
+    detector the ranks' mismatched all-reduces would pair up silently, and no message name positions."""
+    for message in run_distributed(_skipped_backward, 2, rebuild, isolated=True):
         assert "ranks disagree on the next collective" in message
         assert "rank 0 is about to issue all-reduce of bucket 0" in message and "synced forward #2" in message
         assert "rank 1 is about to issue all-reduce of bucket 0" in message and "synced forward #3" in message

@@ -33,6 +33,9 @@ def main() -> None:
     opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
     views = DDP(nn.Linear(4, 4), gradient_as_bucket_view=True)
     found["bucket views"] = message(lambda: elastic.FaultTolerant(views, opt(views)))
+    checked = DDP(nn.Linear(4, 4))
+    checked.enable_desync_detection(timeout_s=5)
+    found["desync detection"] = message(lambda: elastic.FaultTolerant(checked, opt(checked)))
     plain = DDP(nn.Linear(4, 4))
     found["not gradsync"] = message(lambda: elastic.FaultTolerant(nn.Linear(4, 4), opt(plain)))
     found["bad divisor"] = message(lambda: elastic.FaultTolerant(plain, opt(plain), divisor="all"))

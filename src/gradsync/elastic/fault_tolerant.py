@@ -71,6 +71,13 @@ class FaultTolerant:
                 "FaultTolerant decides each step after backward, so the optimizer cannot step inside it: "
                 "use a plain optimizer instead of _register_fused_optim."
             )
+        if ddp.engine.desync is not None:
+            raise ValueError(
+                f"FaultTolerant cannot run with desync detection (rank {dist.get_rank()}): its checks are "
+                "collectives before every bucket, outside the decided step, so a death would fail them instead of "
+                "being survived, and each new generation would need a helper group of its own. Unset "
+                "GRADSYNC_DEBUG (or leave out enable_desync_detection) for the fault-tolerant mode."
+            )
         if divisor != "survivors" and not (isinstance(divisor, int) and divisor > 0):
             raise ValueError(f"divisor must be 'survivors' or a positive int, got {divisor!r}.")
         if isinstance(divisor, int) and ddp.engine.reduction.hook is not None:

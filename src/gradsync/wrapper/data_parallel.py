@@ -144,6 +144,7 @@ class DataParallelWrapper(nn.Module, Joinable):
     def _build_engine(self) -> Reducer:
         engine = Reducer(self._named_params, self.process_group, self._config)
         engine.fused_optimizer = self._fused_optimizer
+        engine.desync = self._checks.desync  # a rebuilt engine checks as its predecessor did
         return engine
 
     def rebuild_engine(self, process_group: dist.ProcessGroup | None = None, **changes: Any) -> None:
@@ -377,7 +378,8 @@ class DataParallelWrapper(nn.Module, Joinable):
 
         Also switched on by the environment variable ``GRADSYNC_DEBUG=desync``.
         """
-        self.engine.desync = self._checks.desync_detector(timeout_s)
+        self._checks.enable_desync(timeout_s)
+        self.engine.desync = self._checks.desync
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
