@@ -66,7 +66,7 @@ def test_default_caps_are_torch_s_unless_communication_overlaps() -> None:
     assert default_bucket_caps(None, None, ADAPT_MIN_BYTES - 1) == torch_caps
 
 
-def _buckets_after_rebuild(hook: str, user_cap_mb: float | None) -> int:
+def _buckets_after_rebuild(hook: str, user_cap_mb: float | None, static_later: bool = False) -> int:
     """Buckets after iteration 1's rebuild, with the default's caps as a slow link makes them."""
     rank, world = rank_world()
     torch.manual_seed(0)
@@ -81,6 +81,8 @@ def _buckets_after_rebuild(hook: str, user_cap_mb: float | None) -> int:
         ddp.register_comm_hook(PowerSGDState(None, start_iter=2), powersgd_hook)
     elif hook == "allreduce":
         ddp.register_comm_hook(AllReduceState(None), allreduce_hook)
+    if static_later:  # a new engine, the hook carried over: the caps must follow it too
+        ddp._set_static_graph()
     for step in range(3):
         x, y = global_batch("mlp", world, step)
         loss_fn(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
@@ -92,3 +94,4 @@ def test_a_compressing_hook_keeps_torch_s_caps_under_the_link_default() -> None:
     assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None) == [1, 1]  # 540 KiB: one 1 MiB bucket
     assert min(run_distributed(_buckets_after_rebuild, 2, "allreduce", None)) >= 3  # the link's 256 KiB caps
     assert min(run_distributed(_buckets_after_rebuild, 2, "powersgd", 0.25)) >= 3  # caps the user chose stay
+    assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None, True) == [1, 1]  # _set_static_graph after

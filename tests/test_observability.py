@@ -67,6 +67,25 @@ def test_trace_writes_merged_perfetto_json_and_png() -> None:
             assert starts[0] >= phase["backward_compute"]["ts"]
 
 
+def _trace_across_rebuild(directory: str) -> None:
+    ddp = DDP(MLP())
+    with gradsync.trace(ddp, os.path.join(directory, "trace.json")):
+        _train(ddp, 1)
+        ddp._update_process_group(dist.new_group([0, 1]))  # a new engine: the trace must follow it
+        _train(ddp, 2)
+    dist.barrier()
+
+
+def test_trace_follows_a_rebuilt_engine() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        run_distributed(_trace_across_rebuild, 2, directory)
+        with open(os.path.join(directory, "trace.json")) as f:
+            events = json.load(f)["traceEvents"]
+    for rank in (0, 1):
+        forwards = [e for e in events if e["ph"] == "X" and e["pid"] == rank and e["name"] == "forward"]
+        assert len(forwards) == 3  # one before the rebuild, two after (only 1 when the rebuild dropped it)
+
+
 def _profiler_labels() -> list[str]:
     ddp = DDP(make_model("cnn_bn"))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

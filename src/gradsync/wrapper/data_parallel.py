@@ -102,6 +102,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         self._guard = ParameterGuard(module)
         self._join_divide_by_initial_world_size = True
         self._checks = AgreementChecks(self.process_group)  # divergence and desync, when switched on
+        self._timeline: Timeline | None = None  # where gradsync.trace collects, handed to every engine
         self._fused_optimizer: FusedOptimizer | None = None
         self._logged_error: str | None = None  # torch's logging data reports the last error
         self._caps_cut_for_link = False  # the default's caps were cut for a slow link
@@ -144,7 +145,8 @@ class DataParallelWrapper(nn.Module, Joinable):
     def _build_engine(self) -> Reducer:
         engine = Reducer(self._named_params, self.process_group, self._config)
         engine.fused_optimizer = self._fused_optimizer
-        engine.desync = self._checks.desync  # a rebuilt engine checks as its predecessor did
+        engine.desync = self._checks.desync  # a rebuilt engine checks and records as its predecessor did
+        engine.records.timeline = self._timeline
         return engine
 
     def rebuild_engine(self, process_group: dist.ProcessGroup | None = None, **changes: Any) -> None:
@@ -162,6 +164,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         self.engine = self._build_engine()  # it takes the parameters' hooks over from the old one
         if reduction.hook is not None:
             self.engine.register_comm_hook(reduction.state, reduction.hook)
+            self._caps_for_hook(reduction.state)
 
     def _authoritative_rank(self) -> int:
         return dist.get_global_rank(self.process_group, 0)
@@ -292,8 +295,13 @@ class DataParallelWrapper(nn.Module, Joinable):
             self._logged_error = str(error)
             raise
         self.engine.register_comm_hook(state, hook)
-        if self._caps_cut_for_link and prefers_few_buckets(state):  # [Note: caps under a compressing hook]
-            self.engine.caps = torch_default_caps()  # the rebuild after iteration 0 uses them
+        self._caps_for_hook(state)
+
+    def _caps_for_hook(self, state: object) -> None:
+        """[Note: caps under a compressing hook]: the default's caps cut for a slow link go back to
+        torch's under a hook that sends little; the rebuild after iteration 0 uses them."""
+        if self._caps_cut_for_link and prefers_few_buckets(state):
+            self.engine.caps = torch_default_caps()
 
     def _check_can_register(self, hook: Callable[..., Any]) -> None:
         check_comm_hook(hook)
@@ -360,6 +368,7 @@ class DataParallelWrapper(nn.Module, Joinable):
 
     def set_timeline(self, timeline: Timeline | None) -> None:
         """Where ``gradsync.trace`` collects this rank's timeline (None: not tracing)."""
+        self._timeline = timeline
         self.engine.records.timeline = timeline
 
     def enable_divergence_check(self, every: int = 100, include_buffers: bool = True) -> None:
@@ -393,6 +402,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         state = self.__dict__.copy()
         # Autograd hook handles and the group are per-process; they are rebuilt on load (the checks off).
         del state["process_group"], state["engine"], state["_checks"]
+        state["_timeline"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
