@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-import gradsync.wrapper.data_parallel as ddp_module
+import gradsync.wrapper.bucket_caps as caps_module
 from gradsync import DistributedDataParallel as DDP
 from gradsync.engine.buckets import MIB
 from gradsync.hooks import AllReduceState, PowerSGDState, allreduce_hook, powersgd_hook
@@ -71,12 +71,12 @@ def _buckets_after_rebuild(hook: str, user_cap_mb: float | None, static_later: b
     rank, world = rank_world()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 256), nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 4))
-    original = ddp_module.default_bucket_caps
-    ddp_module.default_bucket_caps = lambda group, device, total: [MIN_CAP]  # the verdict of a 1 Gbit/s link
+    original = caps_module.default_bucket_caps
+    caps_module.default_bucket_caps = lambda group, device, total: [MIN_CAP]  # the verdict of a 1 Gbit/s link
     try:
         ddp = DDP(model) if user_cap_mb is None else DDP(model, bucket_cap_mb=user_cap_mb)
     finally:
-        ddp_module.default_bucket_caps = original
+        caps_module.default_bucket_caps = original
     if hook == "powersgd":
         ddp.register_comm_hook(PowerSGDState(None, start_iter=2), powersgd_hook)
     elif hook == "allreduce":

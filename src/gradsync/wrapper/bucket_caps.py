@@ -196,3 +196,24 @@ def auto_bucket_caps(group: dist.ProcessGroup, device: torch.device, total_bytes
         cap / MIB,
     )
     return [cap]
+
+
+def starting_caps(
+    requested: list[int] | None,
+    user_chose: bool,
+    agreed: bool,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    total_bytes: int,
+) -> tuple[list[int], bool]:
+    """The caps a wrapper starts with, and whether they are the default's cut for a slow link.
+
+    ``requested``: the resolved argument (None: "auto", measured here); caps the user chose are kept.
+    ``agreed``: every rank was checked to hold the same parameters, so the default may probe the link
+    (every rank must decide alike, on the same total); unchecked, the default is torch's."""
+    if requested is None:
+        return auto_bucket_caps(group, device, total_bytes), False
+    if user_chose or not agreed:
+        return requested, False
+    caps = default_bucket_caps(group, device, total_bytes)
+    return caps, caps != torch_default_caps()

@@ -36,7 +36,7 @@ from ..observability.trace import Timeline
 from ..sync_batchnorm import SyncBatchNorm
 from . import options, synced, uneven_inputs
 from .agreement_checks import AgreementChecks
-from .bucket_caps import auto_bucket_caps, default_bucket_caps, prefers_few_buckets, torch_default_caps
+from .bucket_caps import prefers_few_buckets, starting_caps, torch_default_caps
 from .device import move_to_device
 from .guard import ParameterGuard
 from .mixed_precision import MixedPrecision
@@ -105,8 +105,15 @@ class DataParallelWrapper(nn.Module, Joinable):
         self._timeline: Timeline | None = None  # where gradsync.trace collects, handed to every engine
         self._fused_optimizer: FusedOptimizer | None = None
         self._logged_error: str | None = None  # torch's logging data reports the last error
-        self._caps_cut_for_link = False  # the default's caps were cut for a slow link
-        caps = self._initial_caps(bucket_cap_mb, bucket_cap_mb_list, init_sync, init_sync_buffers)
+        caps = options.resolve_caps(bucket_cap_mb, bucket_cap_mb_list)  # None: "auto"
+        if init_sync:
+            verify_same_parameters(named_params, self.process_group)
+            self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
+        user_chose = bucket_cap_mb is not None or bucket_cap_mb_list is not None
+        total = sum(p.numel() * p.element_size() for _, p in named_params)
+        caps, self._caps_cut_for_link = starting_caps(
+            caps, user_chose, init_sync, self.process_group, named_params[0][1].device, total
+        )
         reduce_dtype = None if self._mixed_precision is None else self._mixed_precision.reduce_dtype
         self._config = options.reducer_config(
             module,
@@ -124,23 +131,6 @@ class DataParallelWrapper(nn.Module, Joinable):
         liveness.start_responder()  # lets survivors of a crash name the dead rank
         if os.environ.get("GRADSYNC_DEBUG", "").lower() in ("desync", "detail"):
             self.enable_desync_detection()
-
-    def _initial_caps(
-        self, bucket_cap_mb: Any, bucket_cap_mb_list: Any, init_sync: bool, init_sync_buffers: bool
-    ) -> list[int]:
-        """Bucket caps in bytes; with ``init_sync``, the module state is checked and broadcast too."""
-        caps = options.resolve_caps(bucket_cap_mb, bucket_cap_mb_list)
-        device = self._named_params[0][1].device
-        total = sum(p.numel() * p.element_size() for _, p in self._named_params)
-        if caps is None:  # "auto": sized from this group's measured all-reduce cost
-            caps = auto_bucket_caps(self.process_group, device, total)
-        if init_sync:
-            verify_same_parameters(self._named_params, self.process_group)
-            self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
-            if bucket_cap_mb is None and bucket_cap_mb_list is None:  # after the check: every rank agrees on total
-                caps = default_bucket_caps(self.process_group, device, total)
-                self._caps_cut_for_link = caps != torch_default_caps()
-        return caps
 
     def _build_engine(self) -> Reducer:
         engine = Reducer(self._named_params, self.process_group, self._config)
