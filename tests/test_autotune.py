@@ -46,7 +46,7 @@ def _auto() -> list[int]:
         assert_grads_close(grads_of(model), grads_of(reference))
     with pytest.raises(ValueError, match="cannot be combined"):
         DDP(make_model("mlp"), bucket_cap_mb="auto", bucket_cap_mb_list=[1])
-    return ddp.engine.caps
+    return ddp.engine.layout.caps
 
 
 def test_auto_caps_are_identical_on_every_rank_and_train_correctly() -> None:

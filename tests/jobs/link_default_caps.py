@@ -32,7 +32,7 @@ def main() -> None:
         optimizer.step()
     same = identical(model)
     if dist.get_rank() == 0:
-        result = {"caps": ddp.engine.caps, "identical": same}
+        result = {"caps": ddp.engine.layout.caps, "identical": same}
         Path(args.out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()

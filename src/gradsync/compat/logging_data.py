@@ -57,7 +57,7 @@ def collect(ddp: DataParallelWrapper) -> dict[str, Any]:
         "is_multi_device_module": 0,
         "broadcast_buffers": int(ddp.forward_sync_buffers),
         "has_sync_bn": int(bool(ddp._forward_collectives)),
-        "bucket_cap_bytes": int(engine.caps[-1]),
+        "bucket_cap_bytes": int(engine.layout.caps[-1]),
         "find_unused_parameters": int(ddp.find_unused_parameters),
         "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
         "static_graph": int(ddp.static_graph),
@@ -65,7 +65,7 @@ def collect(ddp: DataParallelWrapper) -> dict[str, Any]:
         "num_parameter_tensors": len(params),
         "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
         "dtypes": _joined(sorted({_TORCH_DTYPE_NAMES.get(p.dtype, str(p.dtype)) for p in params})),
-        "bucket_sizes": _joined(engine.initial_bucket_sizes),
+        "bucket_sizes": _joined(engine.layout.initial_sizes),
         "has_rebuilt_buckets": int(engine.rebuilt),
         "num_buckets_reduced": len(engine.buckets.storages),
         "iteration": max(engine.synced_forwards - 1, 0),  # torch: the last synced forward, from 0

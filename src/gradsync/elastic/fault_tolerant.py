@@ -105,7 +105,7 @@ class FaultTolerant:
         if self.run.joining:
             self.membership.join()
         else:
-            layout = [ddp.engine.layout()]
+            layout = [ddp.engine.layout.describe()]
             dist.broadcast_object_list(layout, src=0)  # one layout for all ([Note: a joiner's buckets])
             self._rewire(layout[0])
 
@@ -281,7 +281,7 @@ class FaultTolerant:
         return {
             "step": self._step,
             "arrivals_seen": self.run.arrivals_seen,
-            "layout": engine.layout(),
+            "layout": engine.layout.describe(),
             "model": model,
             "optimizer": self.optimizer.state_dict() if everything else None,
             "hook": hook_state.share(engine.reduction.state, len(engine.buckets.storages)),

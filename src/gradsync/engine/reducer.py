@@ -53,11 +53,11 @@ from ..observability.timing import now
 from . import errors, graph, ownership
 from .autograd_context import BackwardKind, ContextGradients, DistributedBackwards
 from .backward_pass import BackwardPass
+from .bucket_layout import BucketLayout
 from .bucket_set import BucketSet
 from .config import ReducerConfig
 from .divisor import Divisor
 from .fused_optim import FusedOptimizer
-from .rebuild import BucketRebuild
 from .records import Records, collect_stats
 from .reductions import AllReduce, CommHook, CommHookReduction, LaunchContext, Reduction
 from .static_graph import Firing, StaticGraphCounts
@@ -91,28 +91,14 @@ class Reducer:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.caps = list(config.caps)  # what the rebuild uses; a compressing hook may change it (wrapper)
-        # Initial order: reverse registration, since later layers get gradients first. Reducing
-        # lone large gradients in place needs no hook; hooks are registered after construction,
-        # so the rebuild decides again.
-        self.buckets = BucketSet(
-            self.params,
-            list(config.sparse),
-            list(reversed(range(count))),
-            self.caps,
-            reduce_lone_in_place=not config.keep_local_grads,
-            delayed=config.delayed,
-            reduce_dtype=config.reduce_dtype,
-            delay_after=config.delay_after,
-        )
-        self.initial_bucket_sizes = [s.nbytes for s in self.buckets.storages]
+        # the buckets, their caps and the one-time rebuild, and how they change (bucket_layout.py)
+        self.layout = BucketLayout(self.params, config)
         self.reduction: Reduction = AllReduce(process_group)  # how a bucket is averaged (reductions.py)
         self.fused_optimizer: FusedOptimizer | None = None  # steps each bucket as it completes (fused_optim.py)
         self.desync: DesyncDetector | None = None  # debug mode: agree on every collective first
         # which parameters a backward uses (usage.py)
         self.usage = ParameterUsage(count, config.find_unused_parameters, config.static_graph)
         self.static = StaticGraphCounts(count)  # static_graph's hook counts (static_graph.py)
-        self.rebuild = BucketRebuild(count, enabled=config.static_graph or not config.find_unused_parameters)
         self.divisor = Divisor(self.world_size)  # what sums are divided by (divisor.py)
         # stats, trace timeline, last error (records.py); on CUDA read from events (observability/cuda_clock.py)
         self.records = Records(len(self.buckets.storages), cuda_clock_for(self.buckets.device))
@@ -236,8 +222,8 @@ class Reducer:
         if ready[index]:
             current.errors.append(errors.gradient_in_pieces(self.names[index], self.rank, self.iteration))
             return
-        if self.rebuild.pending and self.iteration == 0:
-            self.rebuild.order.append(index)
+        if self.layout.rebuild.pending and self.iteration == 0:
+            self.layout.rebuild.order.append(index)
         if current.mark_ready(index):
             self._launch_ready_buckets()
 
@@ -248,7 +234,7 @@ class Reducer:
         if firing is Firing.READY:
             self._mark_ready(index)
         elif firing is Firing.FIRST_SEEN and self.iteration == 0:
-            self.rebuild.order.append(index)
+            self.layout.rebuild.order.append(index)
         elif firing is Firing.TOO_MANY:
             self.current.errors.append(self._static_graph_error(index))
 
@@ -375,32 +361,12 @@ class Reducer:
             self.records.clock.finalize_started()
         self.phase = "the wait for gradient reductions at the end of backward"
         first_static_iteration = config.static_graph and self.static.learning
-        ready = current.ready
-        missing = [i for i, r in enumerate(ready) if not r] if False in ready else []  # C-speed common case
-        if missing and not first_static_iteration:
-            if self.static.expected is not None:
-                current.errors.extend(self._static_graph_error(i) for i in missing if self.static.expected[i])
-            elif not config.find_unused_parameters:
-                names = [self.names[i] for i in missing]
-                current.errors.append(errors.unused_parameters(names, self.rank, self.iteration))
-        # Every bucket is launched, so every rank issues the same collectives even when
-        # some parameters got no gradient here; their .grad (or zeros) is contributed.
-        for index in missing:
-            current.marked_unused.add(index)
-            self._mark_ready(index)
+        self._launch_the_rest(report=not first_static_iteration)
         self.reduction.end_of_pass()
         globally_used = self.usage.never_used  # static graph: parameters no rank used keep .grad None
         if self.usage.must_agree(self.iteration):
             globally_used = self._agree_on_used()
-        if self.tolerance.enabled:
-            self.reduction.finish_tolerant(self.buckets, current, self.tolerance, globally_used)
-        else:
-            after = None if self.fused_optimizer is None else self._step_fused
-            as_view = config.gradient_as_bucket_view
-            problems = self.reduction.finish(
-                self.buckets, current.launched, as_view, globally_used, current.marked_unused, current.times, after
-            )
-            current.errors.extend(problems)
+        self._write_averages(globally_used)
         # Every handle was waited for: let go of them now rather than at the next iteration, so
         # none outlives its process group at interpreter exit (a suspect, not proven, for a rare
         # "terminate called without an active exception" seen once at the exit of a 4-rank run).
@@ -411,14 +377,50 @@ class Reducer:
         warn = config.find_unused_parameters and not config.static_graph
         self.records.record(self.iteration, current, self.buckets, self.names, self.rank, warn)
         self.iteration += 1
-        context = self.buckets.context
-        if context is not None and context.missing_context:
-            current.errors.append(errors.context_released(context.context_id, self.rank, self.iteration - 1))
-        if context is not None and context.unplaced and not context.missing_context:
-            names = [self.names[i] for i in sorted(context.unplaced)]
-            current.errors.append(errors.average_without_place(names, self.rank, self.iteration - 1))
+        self._check_context()
         if current.errors:
             self._raise_errors(current.errors)
+
+    def _launch_the_rest(self, report: bool) -> None:
+        """Parameters that got no gradient in this backward are ready now: every bucket is launched, so
+        every rank issues the same collectives; their ``.grad`` (or zeros) is contributed. ``report``:
+        name them unless ``find_unused_parameters`` allows it."""
+        current = self.current
+        ready = current.ready
+        missing = [i for i, r in enumerate(ready) if not r] if False in ready else []  # C-speed common case
+        if missing and report:
+            if self.static.expected is not None:
+                current.errors.extend(self._static_graph_error(i) for i in missing if self.static.expected[i])
+            elif not self.config.find_unused_parameters:
+                names = [self.names[i] for i in missing]
+                current.errors.append(errors.unused_parameters(names, self.rank, self.iteration))
+        for index in missing:
+            current.marked_unused.add(index)
+            self._mark_ready(index)
+
+    def _write_averages(self, globally_used: list[bool] | None) -> None:
+        """Wait for every bucket and write the averages (the fault-tolerant mode: keep them until decided)."""
+        current = self.current
+        if self.tolerance.enabled:
+            self.reduction.finish_tolerant(self.buckets, current, self.tolerance, globally_used)
+            return
+        after = None if self.fused_optimizer is None else self._step_fused
+        as_view = self.config.gradient_as_bucket_view
+        problems = self.reduction.finish(
+            self.buckets, current.launched, as_view, globally_used, current.marked_unused, current.times, after
+        )
+        current.errors.extend(problems)
+
+    def _check_context(self) -> None:
+        """A dist backward: name what could not be written into its context."""
+        context = self.buckets.context
+        if context is None:
+            return
+        if context.missing_context:
+            self.current.errors.append(errors.context_released(context.context_id, self.rank, self.iteration - 1))
+        elif context.unplaced:
+            names = [self.names[i] for i in sorted(context.unplaced)]
+            self.current.errors.append(errors.average_without_place(names, self.rank, self.iteration - 1))
 
     def _agree_on_used(self) -> list[bool] | None:
         """Which parameters any rank used; None (local use) once a fault-tolerant step failed."""
@@ -459,53 +461,43 @@ class Reducer:
 
     # ------------------------------------------------------------------ buckets
     @property
+    def buckets(self) -> BucketSet:
+        return self.layout.buckets
+
+    @property
     def rebuilt(self) -> bool:
-        return self.rebuild.done
+        return self.layout.rebuild.done
 
     def rebuild_once(self) -> bool:
         """Rebuild the buckets once, after the first synced backward; True if this call did.
 
         [Note: bucket rebuild] in rebuild.py. Every call after the rebuild is a no-op.
         """
-        if not self.rebuild.due(self.iteration, self.reducing):
+        rebuild = self.layout.rebuild
+        if not rebuild.due(self.iteration, self.reducing):
             return False
         self.phase = "the one-time bucket rebuild broadcast"
         try:
-            order = self.rebuild.agreed_order(
-                self.process_group, self.buckets.device, self.desync, self.synced_forwards
-            )
+            order = rebuild.agreed_order(self.process_group, self.buckets.device, self.desync, self.synced_forwards)
         except RuntimeError as error:
             # fault-tolerant mode: the step is decided, and the buckets shipped, later
             if self.tolerance.note(f"the bucket order broadcast failed: {error}"):
                 return False
             raise RuntimeError(self.collective_failure_message(str(error))) from error
         self.current.launched = []  # the last iteration's work handles still reference the old buffers
-        self.rebuild.apply()
-        self._build_buckets(order)
+        self.layout.rebuild_in(order, self.reduction)
+        self._new_layout()
         logger.info("rank %d: rebuilt %d buckets in gradient-ready order", self.rank, len(self.buckets.storages))
         return True
 
-    def layout(self) -> dict[str, Any]:
-        """What ``adopt_layout`` needs to build these buckets on another rank."""
-        return {"order": list(self.buckets.order), "caps": list(self.caps), "rebuilt": self.rebuild.done}
-
     def adopt_layout(self, order: list[int], caps: list[int], rebuilt: bool) -> None:
         """Build the buckets another rank has ([Note: a joiner's buckets] in elastic/heal.py)."""
-        self.caps = list(caps)
-        self.rebuild.adopt(rebuilt)
-        self._build_buckets(order)
+        self.layout.adopt(order, caps, rebuilt, self.reduction)
+        self._new_layout()
 
-    def _build_buckets(self, order: list[int], pad_multiple: int | None = None) -> None:
-        """New buckets in ``order`` (the one way they change after construction): a lone large
-        gradient is reduced in place only where the reduction allows it and the fault-tolerant mode
-        does not keep local gradients; the reduction and the records follow the new layout."""
-        in_place = self.reduction.reduces_lone_in_place and not self.config.keep_local_grads
-        as_view = self.config.gradient_as_bucket_view
-        hold = self.reduction.holds_buckets
-        self.reduction.before_rebuild()  # what it holds of the old buffers goes first: no two copies at once
-        self.buckets = self.buckets.rebuilt(order, self.caps, as_view, in_place, pad_multiple, hold)
+    def _new_layout(self) -> None:
+        """The records and the pass in progress follow new buckets."""
         self.records.running.new_layout(len(self.buckets.storages))
-        self.reduction.adopt_buckets(self.buckets)
         self._begin_pass()
 
     # ------------------------------------------------------------------ other passes
@@ -555,11 +547,11 @@ class Reducer:
                 f"iteration {self.iteration}); build the sharded optimizer right after the wrapper."
             )
         self.reduction = reduction
-        self._build_buckets(self.buckets.order, pad_multiple)
-        self.initial_bucket_sizes = [s.nbytes for s in self.buckets.storages]
+        self.layout.pad_for(reduction, pad_multiple)
+        self._new_layout()
 
     def stats(self) -> DDPStats:
-        rebuilt, hook = self.rebuild.done, self.reduction.name
+        rebuilt, hook = self.rebuilt, self.reduction.name
         return collect_stats(
             self.records, self.buckets, self.names, self.config, self.rank, self.world_size, rebuilt, hook
         )

@@ -291,7 +291,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         """[Note: caps under a compressing hook]: the default's caps cut for a slow link go back to
         torch's under a hook that sends little; the rebuild after iteration 0 uses them."""
         if self._caps_cut_for_link and prefers_few_buckets(state):
-            self.engine.caps = torch_default_caps()
+            self.engine.layout.caps = torch_default_caps()
 
     def _check_can_register(self, hook: Callable[..., Any]) -> None:
         check_comm_hook(hook)
