@@ -12,7 +12,9 @@ The first is ``python -m benchmarks.studies.diloco_task --link 100mbit ...`` (it
 The task is examples/train_charlm.py's: the English text of ``pydoc_data/topics.py`` (ships with
 CPython), the last 10% held out; a pre-norm transformer, context 128, width 128, 2 layers (0.44 M
 parameters); AdamW inner (lr 1e-3, weight decay 0.1, betas 0.9/0.95), 16 sequences per rank per
-step. Every contender starts from the same weights and each rank sees the same batches in every
+step (``--batch``; the islands runs of 2026-12-04 also with 8: an island of two processes is then
+one replica of 16 sequences, as in the two-replica runs, and DDP over the four has their 32).
+Every contender starts from the same weights and each rank sees the same batches in every
 contender (its own generator, seeded by seed and rank); contenders train the same number of inner
 steps one after the other, in an order rotated per seed. Wall-clock is training time only, the
 slowest rank's (each rank sums its own step times; evaluation is excluded and synchronised by a
@@ -115,7 +117,13 @@ def replica_average(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def train(
-    name: str, seed: int, steps: int, eval_every: int, data: tuple, island: dist.ProcessGroup | None = None
+    name: str,
+    seed: int,
+    steps: int,
+    eval_every: int,
+    data: tuple,
+    island: dist.ProcessGroup | None = None,
+    batch: int = 16,
 ) -> dict[str, Any]:
     """One contender's run. With ``island`` (this process's island group) a replica is an island: a
     gradsync DDP over its group; "no communication" is then each island alone, and DiLoCo runs
@@ -145,7 +153,7 @@ def train(
     curve, local_curve, elapsed, step_times = [], [], 0.0, []
     dist.barrier()
     for step in range(1, steps + 1):
-        x, y = charlm.batch(train_data, 16, generator)
+        x, y = charlm.batch(train_data, batch, generator)
         start = time.perf_counter()
         inner.zero_grad()
         charlm.loss_of(trained, x, y).backward()
@@ -331,6 +339,8 @@ def write_report(runs: dict[int, dict[str, dict[str, Any]]], args: argparse.Name
         "",
         *environment_lines(launch.command_line()),
         f"- machine load while measuring: {load}",
+        f"- {args.batch} sequences per process per step"
+        + (f" ({args.batch * args.islands} per island)" if args.islands > 1 else ""),
         "",
         "The method is in the script's docstring. Ratios are against DDP of the same seed, in the same run. "
         "Time to DDP's loss: wall-clock of the first evaluation at or below DDP's final validation loss, "
@@ -469,6 +479,11 @@ def main() -> None:
         help="with --link: each replica an island of S processes in a namespace of its own (a gradsync DDP over "
         "its unshaped loopback), the islands joined by links shaped to --link; DDP runs over all processes",
     )  # fmt: skip
+    parser.add_argument(
+        "--batch", type=int, default=16,
+        help="sequences per process per step (not with --step-time); with --islands 2, 8 makes an island the "
+        "two-replica runs' replica (16 sequences) and DDP over the four their DDP (32)",
+    )  # fmt: skip
     parser.add_argument("--label", default="", help="appended to the report's name (it replaces a same-day one)")
     parser.add_argument(
         "--contenders", nargs="+", default=DEFAULT_CONTENDERS, choices=list(CONTENDERS), metavar="NAME",
@@ -506,7 +521,7 @@ def main() -> None:
         order = names[k % len(names) :] + names[: k % len(names)]
         results = {}
         for name in order:
-            results[name] = train(name, seed, args.steps, args.eval_every, data, island)
+            results[name] = train(name, seed, args.steps, args.eval_every, data, island, args.batch)
             if dist.get_rank() == 0:
                 step, wall, loss = results[name]["curve"][-1]
                 print(f"seed {seed} {name}: {wall:.1f} s, val loss {loss:.4f}", flush=True)
