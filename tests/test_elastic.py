@@ -194,6 +194,8 @@ def test_misuse_is_refused_with_a_message_saying_what_to_do(tmp_path: Path) -> N
     assert "is not host:port" in found["bad address"]
     assert found["bucket views"].startswith("ValueError") and "gradient_as_bucket_view=True" in found["bucket views"]
     assert found["desync detection"].startswith("ValueError") and "Unset GRADSYNC_DEBUG" in found["desync detection"]
+    later = found["desync detection later"]  # switched on once the mode runs: refused as well
+    assert later.startswith("ValueError") and "fault-tolerant mode" in later
     assert found["not gradsync"].startswith("TypeError") and "Linear" in found["not gradsync"]
     assert "divisor must be 'survivors' or a positive int" in found["bad divisor"]
     assert "comm hooks divide by the group's size" in found["fixed divisor with a hook"]

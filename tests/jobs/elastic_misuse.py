@@ -46,6 +46,7 @@ def main() -> None:
     stateful.register_comm_hook(object(), lambda state, bucket: allreduce_hook(None, bucket))
     found["unknown hook state"] = message(lambda: elastic.FaultTolerant(stateful, opt(stateful)))
     ft = elastic.FaultTolerant(plain, opt(plain))
+    found["desync detection later"] = message(lambda: plain.enable_desync_detection(timeout_s=5))
     found["step before backward"] = message(ft.step)
     plain(torch.randn(2, 4)).sum().backward()
     found["one replica trains"] = str(ft.step()) + f" step_count={ft.step_count} world={ft.world_size}"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..engine import errors
 from ..observability.divergence import fingerprint
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import commit, heal, hook_state, membership, settle
@@ -72,12 +73,7 @@ class FaultTolerant:
                 "use a plain optimizer instead of _register_fused_optim."
             )
         if ddp.engine.desync is not None:
-            raise ValueError(
-                f"FaultTolerant cannot run with desync detection (rank {dist.get_rank()}): its checks are "
-                "collectives before every bucket, outside the decided step, so a death would fail them instead of "
-                "being survived, and each new generation would need a helper group of its own. Unset "
-                "GRADSYNC_DEBUG (or leave out enable_desync_detection) for the fault-tolerant mode."
-            )
+            raise ValueError(errors.desync_under_fault_tolerance(dist.get_rank()))
         if divisor != "survivors" and not (isinstance(divisor, int) and divisor > 0):
             raise ValueError(f"divisor must be 'survivors' or a positive int, got {divisor!r}.")
         if isinstance(divisor, int) and ddp.engine.reduction.hook is not None:

@@ -156,3 +156,12 @@ def average_without_place(names: list[str], rank: int, iteration: int) -> str:
         "them while the others do. Make every rank's forward use them (e.g. add 0 * their output), or "
         "train with loss.backward() and .grad."
     )
+
+
+def desync_under_fault_tolerance(rank: int) -> str:
+    return (
+        f"Desync detection cannot run in the fault-tolerant mode (rank {rank}): its checks are collectives before "
+        "every bucket, outside the decided step, so a death would fail them instead of being survived, and each "
+        "new generation would need a helper group of its own. Unset GRADSYNC_DEBUG (or leave out "
+        "enable_desync_detection) for the fault-tolerant mode."
+    )

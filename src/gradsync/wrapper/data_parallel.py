@@ -377,6 +377,8 @@ class DataParallelWrapper(nn.Module, Joinable):
 
         Also switched on by the environment variable ``GRADSYNC_DEBUG=desync``.
         """
+        if self.engine.tolerance.enabled:  # the fault-tolerant mode's engine keeps local gradients
+            raise ValueError(errors.desync_under_fault_tolerance(self.engine.rank))
         self._checks.enable_desync(timeout_s)
         self.engine.desync = self._checks.desync
 
