@@ -94,7 +94,7 @@ class DistributedDataParallel(DataParallelWrapper, TorchDDP):
 
         torch's signature; [Note: stepping as buckets complete] in engine/fused_optim.py. Once per wrapper.
         """
-        if self._fused_optimizer is not None:
+        if self._settings.fused_optimizer is not None:
             raise RuntimeError(
                 f"_register_fused_optim should only be called once on a DDP instance (rank {self.engine.rank}); "
                 "pass optim_params to one registration, and step other parameters with your own optimizer."

@@ -166,7 +166,7 @@ class BucketSet:
             grads = [p.grad for p in storage.params]
         else:  # the context keeps its own tensors: copied in and out, never aliased
             grads, as_view = self.context.read(storage.params), False
-        if self.in_place:
+        if self.in_place.buckets:  # a set's truth, not a call: this runs for every bucket
             self.in_place.check_not_in_flight(grads, storage.param_indices, names)
         divide = divisor != 1.0  # a one-rank group averages over itself: no pass at all
         # Fast paths, one call per bucket where possible. ``None in grads`` would compare

@@ -30,15 +30,12 @@ class InPlaceGradients:
     """
 
     def __init__(self) -> None:
-        self.buckets: set[int] = set()  # reduced in their parameter's .grad this iteration
+        self.buckets: set[int] = set()  # reduced in their parameter's .grad this iteration (empty: none in flight)
         self._owner_of: dict[int, int] = {}  # data_ptr of each such .grad -> its parameter's index
 
     def clear(self) -> None:
         self.buckets.clear()
         self._owner_of.clear()
-
-    def __bool__(self) -> bool:
-        return bool(self._owner_of)
 
     def target(self, b: int, storage: BucketStorage, unused: set[int], names: list[str]) -> torch.Tensor | None:
         """The ``.grad`` to reduce bucket ``b`` in, if it can be (the note); recorded as in flight."""

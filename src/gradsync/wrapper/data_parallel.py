@@ -36,8 +36,9 @@ from ..observability.trace import Timeline
 from ..sync_batchnorm import SyncBatchNorm
 from . import options, synced, uneven_inputs
 from .agreement_checks import AgreementChecks
-from .bucket_caps import prefers_few_buckets, starting_caps, torch_default_caps
+from .bucket_caps import starting_caps
 from .device import move_to_device
+from .engine_settings import EngineSettings
 from .guard import ParameterGuard
 from .mixed_precision import MixedPrecision
 from .module_state import ModuleState
@@ -102,8 +103,6 @@ class DataParallelWrapper(nn.Module, Joinable):
         self._guard = ParameterGuard(module)
         self._join_divide_by_initial_world_size = True
         self._checks = AgreementChecks(self.process_group)  # divergence and desync, when switched on
-        self._timeline: Timeline | None = None  # where gradsync.trace collects, handed to every engine
-        self._fused_optimizer: FusedOptimizer | None = None
         self._logged_error: str | None = None  # torch's logging data reports the last error
         caps = options.resolve_caps(bucket_cap_mb, bucket_cap_mb_list)  # None: "auto"
         if init_sync:
@@ -111,9 +110,11 @@ class DataParallelWrapper(nn.Module, Joinable):
             self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
         user_chose = bucket_cap_mb is not None or bucket_cap_mb_list is not None
         total = sum(p.numel() * p.element_size() for _, p in named_params)
-        caps, self._caps_cut_for_link = starting_caps(
+        caps, cut_for_link = starting_caps(
             caps, user_chose, init_sync, self.process_group, named_params[0][1].device, total
         )
+        # what every engine gets, the first and any rebuilt one ([Note: what a rebuilt engine keeps])
+        self._settings = EngineSettings(self._checks, cut_for_link)
         reduce_dtype = None if self._mixed_precision is None else self._mixed_precision.reduce_dtype
         self._config = options.reducer_config(
             module,
@@ -132,12 +133,9 @@ class DataParallelWrapper(nn.Module, Joinable):
         if os.environ.get("GRADSYNC_DEBUG", "").lower() in ("desync", "detail"):
             self.enable_desync_detection()
 
-    def _build_engine(self) -> Reducer:
+    def _build_engine(self, previous: Reducer | None = None) -> Reducer:
         engine = Reducer(self._named_params, self.process_group, self._config)
-        engine.fused_optimizer = self._fused_optimizer
-        engine.desync = self._checks.desync  # a rebuilt engine checks and records as its predecessor did
-        engine.records.timeline = self._timeline
-        return engine
+        return self._settings.apply(engine, previous)  # [Note: what a rebuilt engine keeps]
 
     def rebuild_engine(self, process_group: dist.ProcessGroup | None = None, **changes: Any) -> None:
         """A fresh reducer (buckets included) over ``process_group``, or with ``ReducerConfig`` changes.
@@ -145,16 +143,12 @@ class DataParallelWrapper(nn.Module, Joinable):
         A registered comm hook stays (update its own process group separately, as with torch).
         Every rank of the group must call this at the same point.
         """
-        reduction = self.engine.reduction
         if process_group is not None:
             self.process_group = process_group
             self._checks.follow(process_group)
         if changes:
             self._config = dataclasses.replace(self._config, **changes)
-        self.engine = self._build_engine()  # it takes the parameters' hooks over from the old one
-        if reduction.hook is not None:
-            self.engine.register_comm_hook(reduction.state, reduction.hook)
-            self._caps_for_hook(reduction.state)
+        self.engine = self._build_engine(self.engine)  # it takes the parameters' hooks over from the old one
 
     def _authoritative_rank(self) -> int:
         return dist.get_global_rank(self.process_group, 0)
@@ -285,13 +279,7 @@ class DataParallelWrapper(nn.Module, Joinable):
             self._logged_error = str(error)
             raise
         self.engine.register_comm_hook(state, hook)
-        self._caps_for_hook(state)
-
-    def _caps_for_hook(self, state: object) -> None:
-        """[Note: caps under a compressing hook]: the default's caps cut for a slow link go back to
-        torch's under a hook that sends little; the rebuild after iteration 0 uses them."""
-        if self._caps_cut_for_link and prefers_few_buckets(state):
-            self.engine.layout.caps = torch_default_caps()
+        self._settings.caps_for_hook(self.engine, state)
 
     def _check_can_register(self, hook: Callable[..., Any]) -> None:
         check_comm_hook(hook)
@@ -348,7 +336,7 @@ class DataParallelWrapper(nn.Module, Joinable):
                 "_register_fused_optim cannot be combined with a sharded optimizer (gradsync.zero.ShardedOptimizer), "
                 f"which steps the shards itself (rank {self.engine.rank}); use one of the two."
             )
-        self._fused_optimizer = optimizer
+        self._settings.fused_optimizer = optimizer
         self.engine.fused_optimizer = optimizer
 
     # ------------------------------------------------------------------ observability
@@ -358,7 +346,7 @@ class DataParallelWrapper(nn.Module, Joinable):
 
     def set_timeline(self, timeline: Timeline | None) -> None:
         """Where ``gradsync.trace`` collects this rank's timeline (None: not tracing)."""
-        self._timeline = timeline
+        self._settings.timeline = timeline
         self.engine.records.timeline = timeline
 
     def enable_divergence_check(self, every: int = 100, include_buffers: bool = True) -> None:
@@ -394,13 +382,13 @@ class DataParallelWrapper(nn.Module, Joinable):
         state = self.__dict__.copy()
         # Autograd hook handles and the group are per-process; they are rebuilt on load (the checks off).
         del state["process_group"], state["engine"], state["_checks"]
-        state["_timeline"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         nn.Module.__setstate__(self, state)
         self.process_group = dist.group.WORLD
         self._checks = AgreementChecks(self.process_group)
+        self._settings.checks = self._checks
         self.engine = self._build_engine()
         self._guard.watch()
 
