@@ -19,6 +19,7 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -51,19 +52,42 @@ def run_with_a_death(job: EtcdJob, fault: str) -> list[dict]:
     return job.finish(["a", "b", "c2"], timeout_s=90)
 
 
-def read_logs(out: Path) -> tuple[dict[int, list[str]], dict[str, tuple[int, str]], dict[str, int]]:
-    """Committed outer step -> contributors; joiner uuid -> (first outer step, source uuid); uuid -> slot."""
+class Logs(NamedTuple):
+    commits: dict[int, list[str]]  # committed outer step -> contributors (replicas, in rank order)
+    joins: dict[str, tuple[int, str]]  # joiner -> (first outer step, source)
+    slots: dict[str, int]  # replica -> its data slot
+    seeds: dict[str, list[int]]  # replica -> its members' data seeds, in island rank order
+    excluded: dict[int, list[str]]  # committed outer step -> replicas it left out
+    injected: dict[str, tuple[int, str, float]]  # replica -> (inner step, "nan" / "scale", factor)
+
+
+def read_logs(out: Path) -> Logs:
+    """What the replicas logged; a replica is named by ``uuid`` (over islands: its first member's uuid)."""
     commits: dict[int, set[tuple[str, ...]]] = defaultdict(set)
-    joins, slots = {}, {}
+    excluded: dict[int, set[tuple[str, ...]]] = defaultdict(set)
+    joins, slots, seeds, injected = {}, {}, {}, {}
     for path in out.glob("*.jsonl"):
         for entry in map(json.loads, path.read_text().splitlines()):
-            slots[entry["uuid"]] = entry["slot"]
+            uuid = entry["uuid"]
+            slots[uuid] = entry["slot"]
+            islanded = entry.get("islanded", False)
+            members = range(entry.get("size", 1))
+            seeds[uuid] = [diloco_worker.island_seed(entry["slot"], m) for m in members]
+            if not islanded:
+                seeds[uuid] = [entry["slot"]]
             if "joined" in entry:
-                joins[entry["uuid"]] = (entry["joined"], entry["source"])
+                joins[uuid] = (entry["joined"], entry["source"])
+            elif "injected" in entry:
+                injected[uuid] = (entry["step"], entry["injected"], entry["factor"])
             else:
                 commits[entry["outer_step"]].add(tuple(entry["contributors"]))
+                excluded[entry["outer_step"]].add(tuple(entry.get("excluded", [])))
     assert all(len(seen) == 1 for seen in commits.values()), f"replicas disagree on who contributed: {commits}"
-    return {k: list(next(iter(v))) for k, v in commits.items()}, joins, slots
+    assert all(len(seen) == 1 for seen in excluded.values()), f"replicas disagree on who was left out: {excluded}"
+    return Logs(
+        {k: list(next(iter(v))) for k, v in commits.items()}, joins, slots, seeds,
+        {k: list(next(iter(v))) for k, v in excluded.items()}, injected,
+    )  # fmt: skip
 
 
 def fragment_of_each_parameter(model: nn.Module, fragments: int) -> list[int]:
@@ -146,7 +170,7 @@ def _replay(
     batchnorm: bool,
     average_buffers: bool,
 ) -> tuple[list[torch.Tensor], dict[str, nn.Module]]:
-    commits, joins, slots = read_logs(out)
+    commits, joins, slots, seeds, excluded, injected = read_logs(out)
     assert sorted(commits) == list(range(len(commits))), f"committed outer steps have gaps: {sorted(commits)}"
     period = H // fragments
     theta = [nn.Parameter(p.detach().clone()) for p in diloco_worker.make_model(batchnorm).parameters()]
@@ -160,8 +184,9 @@ def _replay(
     def advance(uuid: str, until: int) -> None:
         model, opt = replicas[uuid]
         for step in range(done[uuid], until):
-            x, y = diloco_worker.batch(slots[uuid], step)
-            nn.functional.cross_entropy(model(x), y).backward()
+            if uuid in injected and injected[uuid][0] == step:
+                inject(model, injected[uuid][1], injected[uuid][2], theta, owner)
+            island_step(model, seeds[uuid], step)
             opt.step()
             opt.zero_grad()
         done[uuid] = until
@@ -179,14 +204,15 @@ def _replay(
         synced = [i for i in range(len(theta)) if owner[i] == k % fragments]
         start = (k + 1) * period
         deltas = []
-        for uuid in commits[k]:
+        for uuid in commits[k] + excluded.get(k, []):
             if uuid not in replicas:  # a founding replica
                 model = diloco_worker.make_model(batchnorm)
                 replicas[uuid], done[uuid] = (model, diloco_worker.make_inner(model)), 0
             advance(uuid, start)
             params = list(replicas[uuid][0].parameters())
-            deltas.append([theta[i].detach() - params[i].detach() for i in synced])
-        for uuid in commits[k]:
+            if uuid in commits[k]:
+                deltas.append([theta[i].detach() - params[i].detach() for i in synced])
+        for uuid in commits[k] + excluded.get(k, []):
             advance(uuid, start + delay)  # the inner steps taken while the exchange is in flight
         before = flat([theta[i] for i in synced])
         with torch.no_grad():
@@ -226,14 +252,56 @@ def _replay(
                         value = buffer.clone()  # counters: the group's rank 0's
                     for buffers in each:
                         buffers[name].copy_(value)
+            for uuid in excluded.get(k, []):  # it starts again from theta_global ([Note: bad contributions ...])
+                model, opt = replicas[uuid]
+                for p, t in zip(model.parameters(), theta):
+                    p.copy_(t)
+                state = [v for s in opt.state.values() for v in s.values() if v.is_floating_point()]
+                if not all(torch.isfinite(v).all() for v in state):
+                    opt.load_state_dict(copy.deepcopy(replicas[commits[k][0]][1].state_dict()))  # the first kept one's
         for t in theta:
             t.grad = None
     flat_theta = [flat([t for i, t in enumerate(theta) if owner[i] == f]) for f in range(fragments)]
     return flat_theta, {uuid: model for uuid, (model, _) in replicas.items()}
 
 
+def island_step(model: nn.Module, seeds: list[int], step: int) -> None:
+    """One inner step's gradients: a plain replica's on its batch; an island's as its DDP averages its members'
+    (each member's gradient divided by the island's size, summed in rank order)."""
+    if len(seeds) == 1:
+        x, y = diloco_worker.batch(seeds[0], step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        return
+    total = None
+    for seed in seeds:
+        model.zero_grad()
+        x, y = diloco_worker.batch(seed, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        mine = [p.grad.div(len(seeds)) for p in model.parameters()]
+        total = mine if total is None else [a.add_(b) for a, b in zip(total, mine)]
+    for p, g in zip(model.parameters(), total):
+        p.grad = g
+
+
+def inject(model: nn.Module, kind: str, factor: float, theta: list[torch.Tensor], owner: list[int]) -> None:
+    """The worker's bad contribution, written again: a NaN in the first parameter, or the parameters moved
+    ``factor`` times as far from theta_global (computed on each fragment's flat copy, as the worker does)."""
+    with torch.no_grad():
+        params = list(model.parameters())
+        if kind == "nan":
+            params[0].view(-1)[0] = float("nan")
+            return
+        for f in sorted(set(owner)):
+            mine = [i for i in range(len(params)) if owner[i] == f]
+            global_ = torch.cat([theta[i].detach().reshape(-1) for i in mine])
+            local = torch.cat([params[i].detach().reshape(-1) for i in mine])
+            moved = global_ + factor * (local - global_)
+            for i, values in zip(mine, moved.split([params[i].numel() for i in mine])):
+                params[i].copy_(values.view_as(params[i]))
+
+
 def check(out: Path, results: list[dict], dead_at: int, bitwise: bool = True) -> None:
-    commits, joins, _ = read_logs(out)
+    commits, joins, *_ = read_logs(out)
     by_name = {r["name"]: r for r in results}
     survivors = {by_name["a"]["uuid"], by_name["b"]["uuid"]}
     # No inner step lost: both survivors contributed to every committed outer step.

@@ -163,6 +163,6 @@ def _misuse() -> list[str]:
 def test_what_is_not_offered_is_refused_by_name() -> None:
     errors = run_distributed(_misuse, 1, isolated=True, timeout_s=60)[0]
     assert len(errors) == 3, errors
-    assert "takes a plain module" in errors[0] and "Islands" in errors[0]
+    assert "not given an island" in errors[0] and "island='name'" in errors[0] and "run.island_group" in errors[0]
     assert errors[1] == "outer steps 1"
     assert "outer.join()" in errors[2] and "close()" in errors[2]

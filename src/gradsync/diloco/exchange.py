@@ -115,9 +115,19 @@ class OuterExchange:
         delta: torch.Tensor,
         flags: tuple[float, float] | None = None,
         residuals: Residuals | None = None,
+        agreed: tuple[int, bool] | None = None,
     ) -> Averaged:
+        """``agreed``: (contributors, whether this process's island contributes), decided before the exchange by
+        every process alike (gradsync.elastic_diloco's [Note: bad contributions are left out]); one left out sends
+        zeros, and the sum is divided by the contributors."""
         t = self.topology
         contributors, active, contributes = float(t.outer_size), t.outer_size, True
+        if agreed is not None:
+            contributors = float(agreed[0])
+            if contributors == 0:
+                return Averaged(None, active, residuals)
+            if not agreed[1]:
+                delta, contributes = torch.zeros_like(delta), False
         if flags is not None:
             counts = torch.tensor(flags, dtype=torch.float32)
             if t.sends_across:
@@ -210,6 +220,10 @@ class OuterExchange:
             self.count.sent_bytes += sent
         assert own.numel() == sizes[rank], "every rank must encode its own piece to the size the others expect"
         return received
+
+    def collective(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``collective`` as the exchange runs its own (waited for by the waiter, its work handle kept)."""
+        self._collective(collective, *args, **kwargs)
 
     def _collective(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         if self.waiter is None:

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..collectives.broadcast import broadcast_coalesced
 from ..wrapper.data_parallel import DataParallelWrapper
-from . import checks, topology
+from . import checks, finite, topology
 from .buffers import BufferAverage
 from .error_feedback import ErrorFeedback, slice_length
 from .exchange import Averaged, OuterExchange, WireCount
@@ -211,6 +211,7 @@ class DiLoCo:
                 sent = self._in_flight.sent if self._in_flight is not None else None
                 averaged = self._wait()
                 if averaged.values is not None:
+                    finite.check_average(averaged.values, sent, self.fragments[landing], self.topology)
                     self._outer_step(landing, averaged.values, sent)
                 if self.feedback is not None and averaged.residuals is not None:
                     self.feedback.commit(landing, averaged.residuals)

@@ -86,6 +86,15 @@ def islands(island_group: dist.ProcessGroup, own_groups: bool) -> Topology:
             "only one island, so nothing is exchanged across islands. Build the DDP over the process group of "
             "one island (dist.new_group(island_ranks)) or pass the plain module."
         )
+    return over(found, island_group, own_groups)
+
+
+def over(found: list[tuple[int, ...]], island_group: dist.ProcessGroup, own_groups: bool) -> Topology:
+    """The counterpart groups across the islands ``found`` (each island's global ranks, every process in one);
+    ``island_group``: this process's island. One island alone is allowed here (gradsync.elastic_diloco after
+    the other islands died): nothing then crosses, and the island all-gather still hands out the slices."""
+    rank = dist.get_rank()
+    mine = next(ranks for ranks in found if rank in ranks)
     island_rank = mine.index(rank)
     island_id = found.index(mine)
     slices = min(len(ranks) for ranks in found)  # [Note: islands]: the smallest island's members each carry one

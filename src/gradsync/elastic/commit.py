@@ -24,13 +24,14 @@ it (which would time out there).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import islands
 from .keys import Keys
 
 
@@ -52,15 +53,27 @@ class Decision:
         return cls(**json.loads(value))
 
 
-def vote(arrivals_known: int, store_silent: bool, wait: Callable[[Any], Any], abandoned: list[Any]) -> tuple[int, bool]:
+def vote(
+    arrivals_known: int,
+    store_silent: bool,
+    wait: Callable[[Any], Any],
+    abandoned: list[Any],
+    per_rank: list[int] | None = None,
+) -> tuple[int, bool]:
     """This member's vote: (the fewest arrivals any member knows of, whether any member's store went
     silent), once every member voted.
+
+    ``per_rank`` (``reject_nonfinite``): one more integer per rank, reduced with the rest and written
+    back into the list, so that every member learns every rank's value in the same all-reduce. A
+    member passes its own value in its slot and the largest in the others' ([Note: non-finite
+    gradients] in nonfinite.py). Every member must pass it, or none: the vote's size must match.
 
     Raises RuntimeError when the vote cannot complete here (a member died, or started settling:
     ``wait`` gives up then). The work handle of a failed vote goes to ``abandoned``: freeing one
     whose gloo pair saw its peer die can end the process.
     """
-    tally = torch.tensor([arrivals_known, -int(store_silent)], dtype=torch.int64)  # MIN: the fewest, any silent
+    slots = per_rank or []  # MIN: the fewest, any silent, each rank's own value
+    tally = torch.tensor([arrivals_known, -int(store_silent), *slots], dtype=torch.int64)
     work = None
     try:
         work = dist.all_reduce(tally, op=dist.ReduceOp.MIN, async_op=True)
@@ -68,15 +81,21 @@ def vote(arrivals_known: int, store_silent: bool, wait: Callable[[Any], Any], ab
     except Exception as error:
         abandoned.append(work)
         raise RuntimeError(f"the commit vote failed: {error}") from error
+    if per_rank is not None:
+        per_rank[:] = tally[2:].tolist()
     return int(tally[0]), bool(tally[1] < 0)
 
 
-def committed(store: dist.Store, keys: Keys, arrivals_seen: int, fewest_known: int) -> Decision:
-    """The commit a completed vote decided: it admits the arrivals every member knows of."""
+def committed(
+    store: dist.Store, keys: Keys, arrivals_seen: int, fewest_known: int, members: Sequence[str] = ()
+) -> Decision:
+    """The commit a completed vote decided: it admits the arrivals every member knows of, island by
+    island: an island only once all its members arrived ([Note: membership by island] in islands.py)."""
     if fewest_known <= arrivals_seen:
         return Decision(True, [], arrivals_seen)
-    joiners = [store.get(keys.arrival(i)).decode() for i in range(arrivals_seen + 1, fewest_known + 1)]
-    return Decision(True, joiners, fewest_known)
+    arrivals = [(i, store.get(keys.arrival(i)).decode()) for i in range(arrivals_seen + 1, fewest_known + 1)]
+    joiners, handled = islands.complete_arrivals(arrivals, islands.reader(store, keys), set(members))
+    return Decision(True, joiners, max(arrivals_seen, handled))
 
 
 def propose(store: dist.Store, key: str, decision: Decision) -> Decision:

@@ -16,6 +16,9 @@ class Keys:
     def arrival(self, index: int) -> str:
         return f"{self.root}/arrival/{index}"  # the uuid of arrival ``index`` (1-based)
 
+    def seat(self, uuid: str) -> str:
+        return f"{self.root}/seat/{uuid}"  # the island a process trains in, and its rank there (islands.py)
+
     def admitted(self, uuid: str) -> str:
         return f"{self.root}/admitted/{uuid}"  # the generation a joiner was admitted to
 

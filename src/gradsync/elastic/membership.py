@@ -27,12 +27,13 @@ from __future__ import annotations
 import gc
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from . import islands
 from .heartbeat import Heartbeat
 from .keys import Keys
 
@@ -48,6 +49,8 @@ class Generation:
     members: list[str]
     step: int  # committed steps when it formed
     healthy: list[str]  # members holding the current state; the first one is the heal source
+    # each member's island ([Note: membership by island] in islands.py); empty: every member is its own
+    islands: list[str] = field(default_factory=list)
 
     def rank_of(self, uuid: str) -> int:
         return self.members.index(uuid)
@@ -55,6 +58,34 @@ class Generation:
     @property
     def source(self) -> int:
         return self.members.index(self.healthy[0])
+
+    def island_of(self, uuid: str) -> str:
+        return self.islands[self.members.index(uuid)] if self.islands else uuid
+
+    def island_ranks(self) -> list[list[int]]:
+        """Each island's global ranks (contiguous), islands in member order."""
+        names = self.islands or self.members
+        grouped: list[list[int]] = []
+        for rank, name in enumerate(names):
+            if rank and names[rank - 1] == name:
+                grouped[-1].append(rank)
+            else:
+                grouped.append([rank])
+        return grouped
+
+    @property
+    def named_islands(self) -> bool:
+        """Whether any member trains in an island named by the user (else every member is a plain replica)."""
+        return any(name != uuid for name, uuid in zip(self.islands, self.members))
+
+    def island_names(self) -> list[str]:
+        names = self.islands or self.members
+        return [names[ranks[0]] for ranks in self.island_ranks()]
+
+    def mates(self, uuid: str) -> list[str]:
+        """The other members of ``uuid``'s island."""
+        name = self.island_of(uuid)
+        return [m for m in self.members if m != uuid and self.island_of(m) == name]
 
 
 def form(
@@ -80,7 +111,10 @@ def form(
         gone = out_of_reach(store, keys, heartbeat, waiting)
         if all(c in gone for c in waiting) or time.monotonic() > deadline:
             present = [c for c in candidates if c not in waiting and store.get(keys.present(number, c)) != _DECLINED]
-            proposal = Generation(number, present, step, [h for h in healthy if h in present])
+            seats = islands.reader(store, keys)
+            present = islands.whole(present, seats)  # an island is in as a whole or not at all
+            names = [seats(c).island for c in present]
+            proposal = Generation(number, present, step, [h for h in healthy if h in present], names)
             store.compare_set(decided, "", json.dumps(asdict(proposal)))
             break
         time.sleep(0.02)

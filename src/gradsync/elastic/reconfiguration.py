@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 from . import membership
+from .island_watch import IslandLost
 from .membership import Generation
 from .run import ElasticRun
 
@@ -78,6 +79,7 @@ class Reconfiguration:
             started = time.monotonic()
             generation = self.run.await_admission()
             if generation is None:
+                self._island_cannot_rejoin()
                 self.run.start_over()
                 continue
             try:
@@ -89,15 +91,28 @@ class Reconfiguration:
                 self.run.generation = generation
                 if self.change(generation.members, generation.healthy, "a heal failed"):
                     return
+                self._island_cannot_rejoin()
                 self.run.start_over()
                 continue
             self.record("joined and healed", generation.members, started)
             return
 
     def rejoin(self) -> None:
-        """Left out (or revoked): alone again, arrived anew, admitted and healed."""
+        """Left out (or revoked): alone again, arrived anew, admitted and healed. A member of an island of
+        several cannot: its island is no longer whole, so it ends ([Note: membership by island] in islands.py)."""
+        self._island_cannot_rejoin()
         self.run.start_over()
         self.join()
+
+    def _island_cannot_rejoin(self) -> None:
+        seat = self.run.seat
+        if seat is not None and seat.size > 1:
+            raise IslandLost(
+                f"{self.name}: island {seat.island!r} (this process: its rank {seat.rank} of {seat.size}) was left out "
+                "of the run's next generation: some member of it was not there (dead, hung or too late), and an "
+                "island is in as a whole or not at all. This process ends so that its launcher restarts the whole "
+                "island (torchrun --max-restarts); the other islands admit and heal it then."
+            )
 
     def record(self, reason: str, candidates: list[str], started: float) -> None:
         """The history entry of the change that just formed ``run.generation``; then ``after``."""

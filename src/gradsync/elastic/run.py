@@ -1,23 +1,25 @@
 """Taking part in a fault-tolerant run: ``gradsync.elastic.init`` instead of ``init_process_group``.
 
-The first ``replicas`` processes to arrive at the store found generation 0 together; any later
-one (a replacement restarted by its launcher, or started by hand) is a joiner: it gets a
-one-process default group so that its model can be wrapped meanwhile, and ``FaultTolerant``
-then waits until the members admit it at a committed step and heals it.
+The first ``replicas`` islands to be whole at the store found generation 0 together (a plain
+replica is an island of one: the first ``replicas`` processes); any later process (a replacement
+restarted by its launcher, or started by hand) is a joiner: it gets a one-process default group
+so that its model can be wrapped meanwhile, and ``FaultTolerant`` (or ``FaultTolerantDiLoCo``)
+then waits until the members admit it (its whole island) at a committed step and heals it.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import time
 import uuid as uuidlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import membership
+from . import islands, membership
 from .backends import connect
 from .heartbeat import Heartbeat
 from .keys import Keys
@@ -43,6 +45,15 @@ class ElasticRun:
     generation: Generation | None  # None while waiting to be admitted
     arrivals_seen: int = 0  # arrivals up to this index are members or were admitted
     history: list[dict] = field(default_factory=list)  # one entry per reconfiguration
+    seat: islands.Seat | None = None  # this process's island and rank there (a plain replica: its own)
+    # The process group of this process's island, when islands are named (``island=``): a DDP over it
+    # trains the island's replica. Made for generation ``island_group_of``; a joiner's is its one-process group.
+    island_group: dist.ProcessGroup | None = None
+    island_group_of: int = -1
+
+    @property
+    def island_size(self) -> int:
+        return self.seat.size if self.seat is not None else 1
 
     @property
     def joining(self) -> bool:
@@ -78,17 +89,22 @@ class ElasticRun:
         self.arrive()
 
     def check_enough(self, candidates: list[str], generation: Generation) -> None:
-        """Raise when ``generation`` holds nobody with the training state, or fewer than ``min_replicas``."""
+        """Raise when ``generation`` holds nobody with the training state, or fewer than ``min_replicas``
+        (islands: a plain replica is an island of one)."""
         if not generation.healthy:
             raise RuntimeError(
                 f"gradsync.elastic: no member holding the training state is left in generation {generation.number} "
                 "(every one of them died while joiners were being healed); restart from a checkpoint."
             )
-        if len(generation.members) < self.min_replicas:
+        live = generation.island_names()
+        if len(live) < self.min_replicas:
             dead = [rank for rank, uuid in enumerate(candidates) if uuid not in generation.members]
+            seats = islands.reader(self.store, self.keys)
+            lost = sorted({seats(uuid).island for uuid in candidates if uuid not in generation.members})
+            whose = "" if self.island_size == 1 else f" (island(s) {lost}; live: {live})"
             raise RuntimeError(
-                f"Rank(s) {dead} of generation {generation.number - 1} died (or stopped answering) and only "
-                f"{len(generation.members)} replica(s) remain, fewer than min_replicas={self.min_replicas}. "
+                f"Rank(s) {dead} of generation {generation.number - 1} died (or stopped answering){whose} and only "
+                f"{len(live)} replica(s) remain, fewer than min_replicas={self.min_replicas}. "
                 "Start replacements (they join and are healed) or lower min_replicas."
             )
 
@@ -109,6 +125,10 @@ def init(
     timeout_s: float = 10.0,
     heartbeat_timeout_s: float = 2.0,
     join_timeout_s: float = 600.0,
+    *,
+    island: str | None = None,
+    island_rank: int | None = None,
+    island_size: int | None = None,
 ) -> ElasticRun:
     """Join run ``run_id`` through the store at ``store``; returns this process's place.
 
@@ -120,6 +140,11 @@ def init(
     ``GRADSYNC_REPLICAS``. ``timeout_s`` bounds every collective (a hung peer is noticed sooner,
     after ``heartbeat_timeout_s`` without a heartbeat); ``min_replicas``: fewer survivors than this
     end the run with an error naming the dead ranks.
+
+    ``island``: the name of the island this process trains one replica in, together with others
+    (gradsync.elastic_diloco over islands; default ``GRADSYNC_ISLAND``); its rank and size there
+    default to torchrun's ``RANK`` and ``WORLD_SIZE`` (launch one torchrun per island). ``replicas``
+    and ``min_replicas`` then count islands ([Note: membership by island] in islands.py).
     """
     global _current
     address = store or os.environ.get("GRADSYNC_STORE")
@@ -152,31 +177,76 @@ def init(
         join_timeout_s,
         None,
     )
+    run.seat = islands.seat_for(me, island, island_rank, island_size)
+    islands.announce(client, keys, me, run.seat)
     index = run.arrive()
-    if index <= count:
-        run.generation = _found(run)
-        run.arrivals_seen = count
+    founding = _found(run, index)
+    if founding is not None:
+        run.generation, run.arrivals_seen = founding
         membership.open_group(client, keys, run.generation, me, timeout_s)
         heartbeat.watch(run.generation.members)
+        if run.generation.named_islands:
+            run.island_group, run.island_group_of = island_groups(run.generation, me), 0
     else:
         membership.open_alone(client, keys, me)
+        if run.seat.island != me:
+            run.island_group = dist.group.WORLD
     _current = run
     return run
 
 
-def _found(run: ElasticRun) -> Generation:
-    """Generation 0: the first ``replicas`` arrivals, in arrival order."""
+def _found(run: ElasticRun, index: int) -> tuple[Generation, int] | None:
+    """Generation 0 (the first ``replicas`` islands to be whole, in that order) and the arrivals it handled,
+    if this process is in it; None for a joiner."""
+    if run.island_size == 1 and index > run.replicas:
+        return None  # a plain replica arriving after the founders: a joiner, without waiting
     deadline = time.monotonic() + run.join_timeout_s
-    keys = [run.keys.arrival(i) for i in range(1, run.replicas + 1)]
-    while not run.store.check(keys):
+    seats = islands.reader(run.store, run.keys)
+    arrivals: list[tuple[int, str]] = []
+    decided = run.keys.members(0)
+    while not run.store.check([decided]):
+        arrivals += _new_arrivals(run, len(arrivals))
+        founders, _ = islands.complete_arrivals(arrivals, seats, set(), wanted=run.replicas)
+        if len({seats(u).island for u in founders}) == run.replicas:
+            names = [seats(u).island for u in founders]
+            run.store.compare_set(decided, "", json.dumps(asdict(Generation(0, founders, 0, founders, names))))
+            break
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"only some of the {run.replicas} replicas reached the store at {run.address} within "
+                f"only some of the {run.replicas} replicas (islands) reached the store at {run.address} within "
                 f"{run.join_timeout_s:.0f}s; start them all (or lower replicas)."
             )
         time.sleep(0.05)
-    members = [run.store.get(k).decode() for k in keys]
-    return Generation(0, members, 0, members)
+    generation = membership.read(run.store, run.keys, 0)
+    if run.uuid not in generation.members:
+        return None
+    # arrivals up to the first that is no founder are handled: the founders' (joiners come after them)
+    founders = set(generation.members)
+    handled = 0
+    for i, uuid in _new_arrivals(run, 0):  # all of them: another founder may have decided before this one read all
+        if uuid not in founders:
+            break
+        handled = i
+    return generation, handled
+
+
+def island_groups(generation: Generation, me: str) -> dist.ProcessGroup:
+    """Every island's process group over ``generation``'s default group (collective: every member makes every
+    island's, in order); returns this process's island's."""
+    groups = [dist.new_group(ranks) for ranks in generation.island_ranks()]
+    mine = generation.rank_of(me)
+    return next(group for group, ranks in zip(groups, generation.island_ranks()) if mine in ranks)
+
+
+def _new_arrivals(run: ElasticRun, after: int) -> list[tuple[int, str]]:
+    """Arrivals after index ``after`` whose uuid is written already (an index is taken before its key is set)."""
+    found = []
+    for i in range(after + 1, run.store.add(run.keys.arrivals, 0) + 1):
+        key = run.keys.arrival(i)
+        if not run.store.check([key]):
+            break
+        found.append((i, run.store.get(key).decode()))
+    return found
 
 
 def current() -> ElasticRun:

@@ -23,6 +23,7 @@ from .run import ElasticRun
 
 _SLICE_S = 0.1  # how often a wait for a bucket looks at its peers' heartbeats
 _FIRST_POLL_S, _MAX_POLL_S = 0.0001, 0.002  # polling a comm hook's future
+_ALL_FINITE = 2**62  # a rank's slot in the vote when its gradients are finite (above any parameter index)
 
 
 class StepDecider:
@@ -31,23 +32,41 @@ class StepDecider:
         self._last_vote: tuple[tuple[int, int], commit.Decision] | None = None  # (generation, step), its commit
         self._store_lost: Exception | None = None  # the store's error, if a wait gave up on it
         self._store_silent = False  # the last vote said some member's store went silent
+        # The last vote's ranks with non-finite gradients -> their first such parameter's index
+        # (reject_nonfinite only: [Note: non-finite gradients] in nonfinite.py).
+        self.nonfinite: dict[int, int] = {}
 
     def decide(
-        self, step: int, failures: list[str], arrivals_known: int, abandoned: list[Any]
+        self,
+        step: int,
+        failures: list[str],
+        arrivals_known: int,
+        abandoned: list[Any],
+        reject_nonfinite: bool = False,
+        nonfinite_at: int | None = None,
     ) -> tuple[commit.Decision, bool]:
         """Step ``step``'s decision, and whether the vote made it (else it was settled in the store).
 
         ``failures``: this member's failed collectives of the step (then it does not vote). Raises
         ``settle.Revoked`` when the others aborted the previous step this member committed.
+        ``reject_nonfinite``: the vote also carries ``nonfinite_at`` (the index of this member's first
+        parameter whose gradient must be left out, None if none); a vote that finds one on any rank
+        decides no commit, and ``self.nonfinite`` says which ranks and parameters.
         """
         run, generation = self.run, self.run.generation
         self._store_silent = False
+        self.nonfinite = {}
         failures = list(failures)
         if not failures:
             try:
                 silent = run.heartbeat.unanswered(run.heartbeat.timeout_s) is not None
-                fewest, self._store_silent = commit.vote(arrivals_known, silent, self.wait, abandoned)
-                return commit.committed(run.store, run.keys, run.arrivals_seen, fewest), True
+                slots = _slots(nonfinite_at) if reject_nonfinite else None
+                fewest, self._store_silent = commit.vote(arrivals_known, silent, self.wait, abandoned, slots)
+                self.nonfinite = {rank: at for rank, at in enumerate(slots or []) if at < _ALL_FINITE}
+                if self.nonfinite:
+                    reason = f"non-finite gradients on rank(s) {sorted(self.nonfinite)}"
+                    return commit.Decision(False, [], run.arrivals_seen, reason), True
+                return commit.committed(run.store, run.keys, run.arrivals_seen, fewest, generation.members), True
             except RuntimeError as error:
                 failures.append(str(error))
         if self._store_lost is not None:  # a wait gave up on the store: settling would wait for it once more
@@ -117,3 +136,10 @@ class StepDecider:
             raise
         if troubled:
             raise RuntimeError("another member is settling this step (a collective or a vote failed there)")
+
+
+def _slots(nonfinite_at: int | None) -> list[int]:
+    """This member's part of the vote's per-rank slots: its own value in its slot, the largest in the others'."""
+    slots = [_ALL_FINITE] * dist.get_world_size()
+    slots[dist.get_rank()] = _ALL_FINITE if nonfinite_at is None else nonfinite_at
+    return slots

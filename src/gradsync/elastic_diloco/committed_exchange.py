@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -58,6 +58,7 @@ from ..diloco.topology import Topology
 from ..diloco.wire import WireFormat
 from ..elastic import commit, membership, settle
 from ..elastic.step_decision import StepDecider
+from .contributions import ContributionScreen, Verdict
 
 T = TypeVar("T")
 
@@ -70,6 +71,19 @@ class Outcome:
     by_vote: bool = True  # False: settled in the store; the generation's group is broken
     revoked: settle.Revoked | None = None  # this process's last commit was overruled: it joins again
     left_out: bool = False  # the survivors formed a generation without this process: it joins again
+    verdict: Verdict | None = None  # who the committed average left out ([Note: bad contributions are left out])
+
+
+class Screening(NamedTuple):
+    """What the exchange needs to leave bad contributions out ([Note: bad contributions are left out])."""
+
+    screen: ContributionScreen
+    describe: Callable[[torch.Tensor], tuple[torch.Tensor, list[str]]]  # health of an outer gradient, its names
+    islands: Callable[[], tuple[list[list[int]], list[str]]]  # the generation's islands: global ranks, names
+
+
+Described = tuple[torch.Tensor, list[str], list[list[int]], list[str]]  # health, parameter names, islands, names
+Attempt = tuple[Averaged | None, list[str], Verdict | None]
 
 
 class CommittedExchange:
@@ -85,8 +99,10 @@ class CommittedExchange:
         overlap: bool = False,
         buffers: BufferAverage | None = None,
         round_ends: Callable[[], bool] | None = None,
+        screening: Screening | None = None,
     ) -> None:
         self.decider = decider
+        self.screening = screening
         self.wire = wire
         self.count = WireCount()
         self._outer_step = outer_step  # committed outer steps so far: the one deciding is the next
@@ -101,7 +117,7 @@ class CommittedExchange:
         # With overlap (delay > 0) each exchange's first try runs on a thread of its own while the inner
         # steps go on; the decision, and any redo, are the training loop's, at landing.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="gradsync-diloco-ft") if overlap else None
-        self._attempt: Future[tuple[Averaged | None, list[str]]] | None = None
+        self._attempt: Future[Attempt] | None = None
         self.redone = 0  # exchanges averaged again after an abort, over the life of the run
         # [Note: buffers in a decided exchange]: averaged with the exchange whose start round_ends() says ends a round
         self._buffers = buffers if buffers is not None and buffers.to_average else None
@@ -125,12 +141,15 @@ class CommittedExchange:
         self.count.in_flight += 1
         self.count.peak_in_flight = max(self.count.peak_in_flight, self.count.in_flight)
         exchange = self._current  # the generation's, as the exchange starts (rebound only at landings)
+        described = None
+        if self.screening is not None:  # in the training thread: it reads the inner optimizer's state
+            described = (*self.screening.describe(delta), *self.screening.islands())
         if self._thread is not None:
-            self._attempt = self._thread.submit(self._average_once, exchange, delta, residuals)
+            self._attempt = self._thread.submit(self._average_once, exchange, delta, residuals, described)
         else:
-            self._attempt = _done(self._average_once(exchange, delta, residuals))
+            self._attempt = _done(self._average_once(exchange, delta, residuals, described))
         with_buffers = self._buffers is not None and self._round_ends()
-        return DecidedAverage(lambda: self._decided(delta, residuals, with_buffers))
+        return DecidedAverage(lambda: self._decided(delta, residuals, with_buffers, described))
 
     def finished(self) -> None:
         self.count.in_flight -= 1
@@ -151,15 +170,20 @@ class CommittedExchange:
         return outcome
 
     def _average_once(
-        self, exchange: OuterExchange, delta: torch.Tensor, residuals: Residuals | None
-    ) -> tuple[Averaged | None, list[str]]:
-        """One try over one generation's group: the average, or None and why not."""
+        self, exchange: OuterExchange, delta: torch.Tensor, residuals: Residuals | None, described: Described | None
+    ) -> Attempt:
+        """One try over one generation's group: the average and who it left out, or None and why not."""
         try:
+            verdict = agreed = None
+            if described is not None and self.screening is not None:
+                mine, names, islands, island_names = described
+                verdict = self.screening.screen.verdict(mine, islands, names, exchange.collective)
+                agreed = (verdict.contributors, not verdict.mine)
             # a redo starts from the same residuals: they are committed only with the applied average
-            return exchange.average(delta, None, residuals), []
+            return exchange.average(delta, None, residuals, agreed), [], verdict
         except RuntimeError as error:
             self.abandoned.extend(exchange.works)
-            return None, [f"the outer exchange failed: {error}"]
+            return None, [f"the outer exchange failed: {error}"], None
         finally:
             exchange.works.clear()
 
@@ -174,7 +198,13 @@ class CommittedExchange:
             self.abandoned.extend(works)
             return None, [f"averaging the buffers failed: {error}"]
 
-    def _decided(self, delta: torch.Tensor, residuals: Residuals | None, with_buffers: bool = False) -> Averaged:
+    def _decided(
+        self,
+        delta: torch.Tensor,
+        residuals: Residuals | None,
+        with_buffers: bool = False,
+        described: Described | None = None,
+    ) -> Averaged:
         """The average the current generation agreed on; values None when this process must join again."""
         assert self._attempt is not None, "an exchange landed that never started"
         attempt, self._attempt = self._attempt, None
@@ -182,7 +212,7 @@ class CommittedExchange:
         mine = self._buffers.snapshot() if with_buffers and self._buffers is not None else None
         while True:
             step, members = self._outer_step(), list(self.decider.run.generation.members)
-            averaged, failures = attempt.result()  # the thread's try never raises: it returns its failure
+            averaged, failures, verdict = attempt.result()  # the thread's try never raises: it returns its failure
             buffers = None
             if mine is not None and not failures:
                 buffers, failures = self._average_buffers(mine)
@@ -197,7 +227,7 @@ class CommittedExchange:
                         f"outer step {step} was settled as committed although this replica's exchange failed "
                         f"({failures[0]}), so it never voted: a bug in gradsync.elastic's commit protocol."
                     )
-                self.outcome = Outcome(decision, by_vote)
+                self.outcome = Outcome(decision, by_vote, verdict=verdict)
                 assert averaged is not None
                 if buffers is not None and self._buffers is not None:
                     self._buffers.write(buffers)
@@ -216,7 +246,9 @@ class CommittedExchange:
             # The redo runs here, in the training loop, over the new generation's group: the survivors
             # wait for it (an abort is rare; overlapping it would need a landing step of its own).
             assert self._current is not None
-            attempt = _done(self._average_once(self._current, delta, residuals))
+            if described is not None and self.screening is not None:  # the islands of the new generation
+                described = (described[0], described[1], *self.screening.islands())
+            attempt = _done(self._average_once(self._current, delta, residuals, described))
 
 
 class DecidedAverage:

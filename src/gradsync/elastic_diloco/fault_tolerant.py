@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..diloco import topology as diloco_topology
 from ..diloco.buffers import check_mode as check_buffers_mode
 from ..diloco.exchange import WireCount
 from ..diloco.outer import DiLoCo, OuterOptimizerFactory
@@ -56,7 +55,9 @@ from ..elastic.run import ElasticRun, current
 from ..elastic.step_decision import StepDecider
 from ..observability.divergence import fingerprint
 from ..wrapper.data_parallel import DataParallelWrapper
-from .committed_exchange import CommittedExchange, Outcome
+from .committed_exchange import CommittedExchange, Outcome, Screening
+from .contributions import ContributionScreen, health
+from .island_wiring import IslandWiring
 
 logger = logging.getLogger(__name__)
 
@@ -95,25 +96,31 @@ class FaultTolerantDiLoCo:
         merge: str = "mix",
         error_feedback: bool = False,
         buffers: str = "average",
+        max_norm_ratio: float | None = None,
+        max_exclusions: int = 3,
     ) -> None:
-        if isinstance(model, DataParallelWrapper):
-            raise ValueError(
-                f"FaultTolerantDiLoCo takes a plain module (rank {dist.get_rank()}): each process is one replica. "
-                "Islands (a DistributedDataParallel per island) are not supported in the fault-tolerant mode; use "
-                "gradsync.diloco.DiLoCo for them, or one replica per process here."
-            )
+        island = model if isinstance(model, DataParallelWrapper) else None
+        _check_island_options(island, inner_optimizer, error_feedback)
         check_buffers_mode(buffers)  # before the run is looked up: a mistake named without elastic.init()
+        screen = ContributionScreen(max_norm_ratio, max_exclusions)
         self.run = run if run is not None else current()
+        self.wiring = IslandWiring(self.run, island, delay)  # [Note: an island rewired per generation]
+        self.island = island
+        # DiLoCo sees the module: the islands, their groups and their DDP are this class's, per generation
         self.outer = DiLoCo(
-            model, inner_optimizer, sync_every, outer_optimizer, fragments, delay, alpha, wire, merge=merge,
-            error_feedback=error_feedback, buffers=buffers,
+            island.module if island is not None else model, inner_optimizer, sync_every, outer_optimizer, fragments,
+            delay, alpha, wire, merge=merge, error_feedback=error_feedback, buffers=buffers,
         )  # fmt: skip
         self.module = self.outer.module
         self.inner = inner_optimizer
         self.extra_state = dict(extra_state or {})
         self.on_reconfigure = on_reconfigure
         self.outer_steps = 0  # committed outer steps (one fragment's each)
-        self.contributors: list[str] = []  # the replicas (uuids, in rank order) the last outer step averaged
+        # the replicas (islands: each named by its first member's uuid, in rank order) the last outer step
+        # averaged, and those it left out ([Note: bad contributions are left out] in contributions.py)
+        self.contributors: list[str] = []
+        self.excluded: list[str] = []
+        self.screen = screen
         self.decider = StepDecider(self.run)
         self.membership = Reconfiguration(
             self.run,
@@ -132,6 +139,7 @@ class FaultTolerantDiLoCo:
             overlap=delay > 0,  # [Note: a death while an exchange is in flight] in committed_exchange.py
             buffers=self.outer.buffers,  # [Note: buffers in a decided exchange]
             round_ends=lambda: self.outer.round_ends_at(self.outer.schedule.starting_after(self.outer.step_count)),
+            screening=Screening(screen, self._describe, self._islands),
         )
         self.outer.replace_exchange(self.exchange, averages_buffers=True)  # DiLoCo averages through it from now on
         self._rewire()
@@ -193,7 +201,16 @@ class FaultTolerantDiLoCo:
         in flight is decided with the others and dropped, as ``DiLoCo.close()`` drops it: end the loop
         after a landing (``exchange_in_flight`` False) to keep the last fragment's inner steps."""
         self.outer.close()
+        self.wiring.close()
         self.run.leave()
+
+    @property
+    def island_id(self) -> str:
+        """This process's replica: the uuid of its island's first member (its own for a plain replica)."""
+        generation = self.run.generation
+        assert generation is not None, "island_id of a joiner not yet admitted"
+        ranks = next(r for r in generation.island_ranks() if generation.rank_of(self.run.uuid) in r)
+        return generation.members[ranks[0]]
 
     # ------------------------------------------------------------------ after an exchange
     def _after(self, outcome: Outcome) -> None:
@@ -216,7 +233,12 @@ class FaultTolerantDiLoCo:
         self.outer_steps += 1
         run.arrivals_seen = decision.arrivals_seen
         generation = run.generation
-        self.contributors = list(generation.members)
+        ids = [generation.members[ranks[0]] for ranks in generation.island_ranks()]
+        left_out = outcome.verdict.excluded if outcome.verdict is not None else []
+        self.contributors = [i for n, i in enumerate(ids) if n not in left_out]
+        self.excluded = [ids[n] for n in left_out]
+        if outcome.verdict is not None and outcome.verdict.excluded:
+            self.screen.apply(outcome.verdict, run, self.outer_steps - 1, self.outer.fragments, self.inner)
         if decision.admit:
             for joiner in decision.admit:
                 run.store.set(run.keys.admitted(joiner), str(generation.number + 1))
@@ -230,6 +252,16 @@ class FaultTolerantDiLoCo:
 
     def _arrivals_known(self) -> int:
         return max(self.run.heartbeat.arrivals_known, self.run.arrivals_seen)
+
+    # ------------------------------------------------------------------ bad contributions
+    def _describe(self, delta: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+        """This process's numbers about the outer gradient of the fragment starting now, and its parameters' names."""
+        fragment = self.outer.fragments[self.outer.schedule.starting_after(self.outer.step_count)]
+        return health(delta, fragment.sizes, self.inner), fragment.names
+
+    def _islands(self) -> tuple[list[list[int]], list[str]]:
+        generation = self.run.generation
+        return generation.island_ranks(), generation.island_names()
 
     # ------------------------------------------------------------------ membership changes
     def _reconfigured(self) -> None:
@@ -295,6 +327,19 @@ class FaultTolerantDiLoCo:
         return every
 
     def _rewire(self) -> None:
-        """DiLoCo's exchange over the current default group (the generation's)."""
-        self.outer.topology = diloco_topology.replicas(None, own_groups=False)
+        """DiLoCo's exchange over the current generation (over islands: [Note: an island rewired per generation])."""
+        self.outer.topology = self.wiring.topology()
         self.exchange.rebind(self.outer.topology)
+
+
+def _check_island_options(
+    island: DataParallelWrapper | None, inner: torch.optim.Optimizer, error_feedback: bool
+) -> None:
+    if island is None:
+        return
+    if error_feedback:
+        raise ValueError(
+            f"FaultTolerantDiLoCo over islands (rank {dist.get_rank()}) does not take error_feedback=True: each island "
+            "member keeps the residuals of its own slice, and the slices change with the islands a generation holds. "
+            "Use wire='fp32' (or a rounding wire without feedback) with islands, or plain replicas for error feedback."
+        )
