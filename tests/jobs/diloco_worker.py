@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--factor", type=float, default=1000.0)
     p.add_argument("--max-norm-ratio", type=float, default=None)
     p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-exclusions", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
     phase, _, at = args.fault.partition(":")
@@ -149,6 +150,7 @@ def main() -> None:
     outer = FaultTolerantDiLoCo(
         trained, inner, sync_every=args.sync_every, fragments=args.fragments, wire=args.wire, delay=args.delay,
         merge=args.merge, error_feedback=args.error_feedback, max_norm_ratio=args.max_norm_ratio,
+        max_exclusions=args.max_exclusions,
     )  # fmt: skip
     if phase in ("exchange", "gather"):
         _die_in_exchange(outer, at, 2 if phase == "exchange" else 3)

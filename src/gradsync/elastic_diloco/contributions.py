@@ -79,6 +79,35 @@ def health(delta: torch.Tensor, sizes: list[int], inner: torch.optim.Optimizer) 
     return torch.tensor([float(finite), norm, float(first), float(inner_finite)], dtype=torch.float64)
 
 
+def judge(
+    rows: torch.Tensor, islands: list[list[int]], names: list[str], max_norm_ratio: float | None, me: int
+) -> Verdict:
+    """The verdict from every process's four numbers (``rows``, by global rank); ``me``: this process's rank."""
+    finite = [bool(rows[ranks, 0].min() > 0) for ranks in islands]
+    norms = [float(rows[ranks[0], 1]) for ranks in islands]
+    reasons: dict[int, str] = {}
+    parameters: dict[int, str] = {}
+    reheal = []
+    for i, ranks in enumerate(islands):
+        if not finite[i]:
+            reasons[i] = "its outer gradient is not finite"
+            first = [int(rows[r, 2]) for r in ranks if rows[r, 2] >= 0]
+            if first:
+                parameters[i] = names[first[0]]
+            if any(rows[r, 3] == 0 for r in ranks):
+                reheal.append(i)
+    kept = [i for i in range(len(islands)) if finite[i]]
+    if max_norm_ratio is not None and len(kept) >= 3:
+        for i in kept:
+            median = statistics.median(norms[j] for j in kept if j != i)
+            if norms[i] > max_norm_ratio * median:
+                ratio = f"{max_norm_ratio:g}x the median {median:.4g} of the others'"
+                reasons[i] = f"its outer gradient's norm {norms[i]:.4g} is over {ratio}"
+    excluded = sorted(reasons)
+    island = next(i for i, ranks in enumerate(islands) if me in ranks)
+    return Verdict(excluded, reasons, parameters, reheal, len(islands) - len(excluded), island in excluded)
+
+
 def _finite_state(inner: torch.optim.Optimizer) -> bool:
     return all(
         bool(torch.isfinite(t).all())
@@ -111,31 +140,7 @@ class ContributionScreen:
         world = dist.get_world_size()
         every = [torch.empty(_FIELDS, dtype=torch.float64) for _ in range(world)]
         collective(dist.all_gather, every, mine)
-        rows = torch.stack(every)
-        finite = [bool(rows[ranks, 0].min() > 0) for ranks in islands]
-        norms = [float(rows[ranks[0], 1]) for ranks in islands]
-        reasons: dict[int, str] = {}
-        parameters: dict[int, str] = {}
-        reheal = []
-        for i, ranks in enumerate(islands):
-            if not finite[i]:
-                reasons[i] = "its outer gradient is not finite"
-                first = [int(rows[r, 2]) for r in ranks if rows[r, 2] >= 0]
-                if first:
-                    parameters[i] = names[first[0]]
-                if any(rows[r, 3] == 0 for r in ranks):
-                    reheal.append(i)
-        kept = [i for i in range(len(islands)) if finite[i]]
-        if self.max_norm_ratio is not None and len(kept) >= 3:
-            for i in kept:
-                median = statistics.median(norms[j] for j in kept if j != i)
-                if norms[i] > self.max_norm_ratio * median:
-                    ratio = f"{self.max_norm_ratio:g}x the median {median:.4g} of the others'"
-                    reasons[i] = f"its outer gradient's norm {norms[i]:.4g} is over {ratio}"
-        excluded = sorted(reasons)
-        me = dist.get_rank()
-        island = next(i for i, ranks in enumerate(islands) if me in ranks)
-        return Verdict(excluded, reasons, parameters, reheal, len(islands) - len(excluded), island in excluded)
+        return judge(torch.stack(every), islands, names, self.max_norm_ratio, dist.get_rank())
 
     def count(self, verdict: Verdict) -> int:
         """This island's exclusions in a row, after ``verdict`` was applied."""
