@@ -113,20 +113,26 @@ def committed_batches(out: Path) -> dict[int, set[int]]:
     return dict(steps)
 
 
-def replay(out: Path, steps: int, divisor: int | None = None) -> dict[str, torch.Tensor]:
-    """Single-process training on the committed batches, step by step."""
+def replay(
+    out: Path, steps: int, divisor: int | dict[int, int] | None = None, batches: dict[int, set[int]] | None = None
+) -> dict[str, torch.Tensor]:
+    """Single-process training on the committed batches (or ``batches``: step -> seeds), step by step.
+
+    Each step averages its batches' gradients, or divides their sum by ``divisor`` (a fixed count,
+    or step -> count)."""
     model = elastic_worker.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    batches = committed_batches(out)
+    batches = committed_batches(out) if batches is None else batches
     assert sorted(batches) == list(range(steps)), f"committed steps have gaps: {sorted(batches)}"
     for step in range(steps):
         seeds = sorted(batches[step])
+        count = divisor.get(step, len(seeds)) if isinstance(divisor, dict) else divisor or len(seeds)
         opt.zero_grad()
         # Each member's gradient is that of its own batch (BatchNorm statistics per batch); the
         # update averages them (or divides their sum by a fixed count).
         for seed in seeds:
             x, y = elastic_worker.batch(seed)
-            loss = nn.functional.cross_entropy(model(x), y) / (divisor or len(seeds))
+            loss = nn.functional.cross_entropy(model(x), y) / count
             loss.backward()
         opt.step()
     return model.state_dict()

@@ -9,8 +9,11 @@ steps. At the end it writes ``<name>.json`` (fingerprint, history) and ``<name>.
 mid-backward, ``hang-forward`` before its forward; ``disagree`` fails its last bucket locally (no
 death); ``heal`` dies as the heal source of a joiner; ``vote-lost`` takes its completed vote for
 a failed one (the others committed the step: it must learn that through the store);
-``hang-after-vote`` SIGSTOPs itself right after its vote completed. A step of this process that
-the others revoked (it was taken for dead after its vote) is logged as ``{"revoked": step}``.
+``hang-after-vote`` SIGSTOPs itself right after its vote completed; ``nonfinite`` puts a NaN and
+an inf in its gradients of that step (of parameters ``3.weight`` and ``5.bias``, during backward,
+so that they are reduced too), ``nonfinite-from`` in those of every step from that one on (run with
+``--reject-nonfinite``). A step of this process that the others revoked (it was taken for dead
+after its vote) is logged as ``{"revoked": step}``.
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ def main() -> None:
     p.add_argument("--divisor", default="survivors")
     p.add_argument("--sleep", type=float, default=0.02)
     p.add_argument("--sharded", type=int, default=0, help="a gradsync.zero.ShardedOptimizer of this stage")
+    p.add_argument("--reject-nonfinite", action="store_true")
+    p.add_argument("--max-exclusions", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
     phase, _, at = args.fault.partition(":")
@@ -116,7 +121,9 @@ def main() -> None:
     if phase in ("vote-lost", "hang-after-vote"):
         _after_the_vote(phase, at_step)
     joiner = run.joining
-    ft = elastic.FaultTolerant(ddp, opt, divisor=divisor)
+    ft = elastic.FaultTolerant(
+        ddp, opt, divisor=divisor, reject_nonfinite=args.reject_nonfinite, max_exclusions=args.max_exclusions
+    )
     _STATE["ft"] = ft
     log = (out / f"{args.name}.jsonl").open("a")
     current = {"step": -1, "seed": -1}
@@ -132,6 +139,9 @@ def main() -> None:
     if phase == "backward" or phase == "hang":
         first = ddp.module[0].weight  # its gradient comes last in backward: most buckets are in flight
         first.register_hook(lambda g: _fault_now(phase, at_step, ft) or g)
+    if phase in ("nonfinite", "nonfinite-from"):
+        ddp.module[3].weight.register_hook(lambda g: _poisoned(g, phase, at_step, ft, float("nan")))
+        ddp.module[5].bias.register_hook(lambda g: _poisoned(g, phase, at_step, ft, float("inf")))
 
     def waiting() -> bool:  # the same answer on every member at the same step
         admitted = any(h["reason"].startswith("admitting") for h in run.history)
@@ -200,6 +210,13 @@ def _fault_now(phase: str, at_step: int, ft: elastic.FaultTolerant) -> None:
     return None
 
 
+def _poisoned(grad: torch.Tensor, phase: str, at_step: int, ft: elastic.FaultTolerant, value: float) -> torch.Tensor:
+    if ft.step_count == at_step or (phase == "nonfinite-from" and ft.step_count > at_step):
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+    return grad
+
+
 def _faulty_allreduce(phase: str, at_step: int):  # noqa: ANN202
     def hook(state, bucket):  # noqa: ANN001, ANN202 - torch checks hook annotations
         ft = _STATE.get("ft")
@@ -229,8 +246,8 @@ def _die_as_heal_source() -> None:
 def _after_the_vote(phase: str, at_step: int) -> None:
     real = commit.vote
 
-    def vote(arrivals_known, silent, wait, abandoned):  # noqa: ANN001, ANN202
-        fewest = real(arrivals_known, silent, wait, abandoned)
+    def vote(arrivals_known, silent, wait, abandoned, per_rank=None):  # noqa: ANN001, ANN202
+        fewest = real(arrivals_known, silent, wait, abandoned, per_rank)
         ft = _STATE.get("ft")
         if ft is not None and ft.step_count == at_step and ft.generation == 0:
             if phase == "hang-after-vote":

@@ -12,7 +12,8 @@ averages wait in the buckets. ``ft.step()`` then
    *local* gradients again over it, and goes back to 1. Only the dead ranks' batches are lost.
 A process found too late for a generation (it was hung, say) joins again and is healed; its
 ``step()`` returns False. A step fails twice with every member alive: that is no death, so it is
-raised.
+raised. With ``reject_nonfinite`` a vote that finds non-finite gradients on some ranks redoes the
+reduction without them, then votes again ([Note: non-finite gradients] in nonfinite.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from ..engine import errors
 from ..observability.divergence import fingerprint
 from ..wrapper.data_parallel import DataParallelWrapper
-from . import commit, heal, hook_state, membership, settle
+from . import commit, heal, hook_state, membership, nonfinite, settle
 from .reconfiguration import Reconfiguration
 from .run import ElasticRun, current
 from .sharded_state import ShardedState, lost_shards_error
@@ -48,6 +49,9 @@ class FaultTolerant:
     position) that a joiner receives too. ``on_reconfigure(rank, world_size, step)`` runs on every
     member after every membership change (e.g. to reshard the data). ``divisor``: "survivors"
     averages over the current members; an int divides every step's sum by that fixed count.
+    ``reject_nonfinite``: a rank whose local gradients hold a NaN or an inf is left out of that step's
+    average; after ``max_exclusions`` such steps in a row it raises ``NonFiniteGradients`` (to be
+    restarted and healed): [Note: non-finite gradients] in nonfinite.py.
     """
 
     def __init__(
@@ -59,6 +63,8 @@ class FaultTolerant:
         extra_state: dict[str, Any] | None = None,
         on_reconfigure: Callable[[int, int, int], None] | None = None,
         divisor: str | int = "survivors",
+        reject_nonfinite: bool = False,
+        max_exclusions: int = 3,
     ) -> None:
         if not isinstance(ddp, DataParallelWrapper):
             raise TypeError(f"FaultTolerant wraps a gradsync.DistributedDataParallel, got {type(ddp).__name__}.")
@@ -79,6 +85,7 @@ class FaultTolerant:
         if isinstance(divisor, int) and ddp.engine.reduction.hook is not None:
             raise ValueError("divisor=<int> averages without a comm hook only: comm hooks divide by the group's size.")
         hook_state.check_supported(ddp.engine.reduction.state)
+        nonfinite.check_options(ddp, optimizer, reject_nonfinite, max_exclusions)
         self.ddp = ddp
         self.optimizer = optimizer
         self.run = run or current()
@@ -88,6 +95,7 @@ class FaultTolerant:
         # A sharded optimizer: [Note: a sharded optimizer under the fault-tolerant mode] in sharded_state.py.
         self._sharded: ShardedState | None = optimizer if hasattr(optimizer, "describe_lost_shards") else None
         self._step = 0
+        self.nonfinite = nonfinite.NonFiniteGuard(reject_nonfinite, max_exclusions)  # (nonfinite.py)
         self.decider = StepDecider(self.run)  # the vote, settling, and waiting on the group (step_decision.py)
         self.membership = Reconfiguration(
             self.run,
@@ -101,7 +109,7 @@ class FaultTolerant:
         if self.run.joining:
             self.membership.join()
         else:
-            layout = [ddp.engine.layout.describe()]
+            layout = [self._layout()]
             dist.broadcast_object_list(layout, src=0)  # one layout for all ([Note: a joiner's buckets])
             self._rewire(layout[0])
 
@@ -155,6 +163,7 @@ class FaultTolerant:
                 f"FaultTolerant.step() on rank {self.rank} found no reduced gradients: run a synced forward and "
                 "backward through the wrapped model first (not inside no_sync())."
             )
+        self.nonfinite.check(engine.params, engine.names)
         retried_with_all_alive = False
         while True:
             generation = self.run.generation
@@ -163,9 +172,14 @@ class FaultTolerant:
             except settle.Revoked as revoked:
                 self._revoked(generation, revoked)
                 return False
+            if self.decider.nonfinite:  # redo without the ranks named: [Note: non-finite gradients]
+                if not self._leave_out(self.decider.nonfinite):
+                    return False  # every rank's gradients were: the step is dropped
+                continue
             if decision.commit:
                 self._apply(decision, by_vote)
                 self.decider.wait_for_a_silent_store()
+                self.nonfinite.after_step(self._step - 1, self.rank, self.run)
                 return True
             engine.tolerance.drop_step()
             before = set(generation.members)
@@ -182,18 +196,40 @@ class FaultTolerant:
                 retried_with_all_alive = True
             engine = self.ddp.engine
             engine.reduce_again()
+            self.nonfinite.reduced_again(fixed_divisor=isinstance(self.divisor, int))
 
     def _decide(self) -> tuple[commit.Decision, bool]:
         """This step's decision, and whether the vote made it (step_decision.py)."""
         tolerance = self.ddp.engine.tolerance
         failures = tolerance.failures
-        decision, by_vote = self.decider.decide(self._step, failures, self._arrivals_known(), tolerance.abandoned)
+        guard = self.nonfinite
+        decision, by_vote = self.decider.decide(
+            self._step, failures, self._arrivals_known(), tolerance.abandoned, guard.enabled, guard.vote()
+        )
         if decision.commit and failures:
             raise RuntimeError(
                 f"Rank {self.rank}: step {self._step} was settled as committed although this member's reduction "
                 f"failed ({failures[0]}), so it never voted: a bug in gradsync.elastic's commit protocol."
             )
         return decision, by_vote
+
+    def _leave_out(self, ranks: dict[int, int]) -> bool:
+        """Reduce this step again without ``ranks`` (rank -> its first non-finite parameter); False if
+        no rank is left, and the step is dropped ([Note: non-finite gradients] in nonfinite.py)."""
+        engine = self.ddp.engine
+        nonfinite.check_options(self.ddp, self.optimizer, True, self.nonfinite.max_exclusions)  # a hook added since
+        nonfinite.record(self.run, self._step, ranks, engine.names, self.rank)
+        engine.tolerance.drop_step()
+        if self.rank in ranks:
+            self.nonfinite.leave_out(engine.params)
+        kept = self.world_size - len(ranks)
+        if kept == 0:
+            self.nonfinite.after_step(self._step, self.rank, self.run)
+            return False
+        if not isinstance(self.divisor, int):
+            engine.divisor.divide_next_pass_by(kept)
+        engine.reduce_again()
+        return True
 
     def _arrivals_known(self) -> int:
         """What this member votes: the arrivals it knows of (none new with a sharded optimizer, which admits no one)."""
@@ -277,7 +313,7 @@ class FaultTolerant:
         return {
             "step": self._step,
             "arrivals_seen": self.run.arrivals_seen,
-            "layout": engine.layout.describe(),
+            "layout": self._layout(),
             "model": model,
             "optimizer": self.optimizer.state_dict() if everything else None,
             "hook": hook_state.share(engine.reduction.state, len(engine.buckets.storages)),
@@ -305,8 +341,17 @@ class FaultTolerant:
         dist.all_gather(every, mine)
         return every
 
+    def _layout(self) -> dict[str, Any]:
+        """The buckets every member builds ([Note: a joiner's buckets] in heal.py), and the vote's size."""
+        return {**self.ddp.engine.layout.describe(), "reject_nonfinite": self.nonfinite.enabled}
+
     def _rewire(self, layout: dict[str, Any]) -> None:
         """A fresh engine over the current default group, with ``layout``'s buckets, keeping local gradients."""
+        if layout["reject_nonfinite"] != self.nonfinite.enabled:  # the vote's size would differ: gloo aborts
+            raise ValueError(
+                f"Rank {self.rank} was built with reject_nonfinite={self.nonfinite.enabled}, the run's members with "
+                f"{layout['reject_nonfinite']}: every replica must pass the same value to FaultTolerant."
+            )
         ddp = self.ddp
         membership.bury(ddp.engine)  # with its buckets and the work handles of its last steps
         ddp.rebuild_engine(dist.group.WORLD, keep_local_grads=True, caps=tuple(layout["caps"]))  # the comm hook kept

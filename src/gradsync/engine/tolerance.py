@@ -3,8 +3,9 @@
 [Note: a step is decided before it is written]
 In plain DDP a failed collective raises from ``backward()``. In the fault-tolerant mode
 (``gradsync.elastic``) the ranks first agree whether the step commits, and a step that does not
-is reduced again over the survivors. That needs every survivor's *local* gradient, so with
-``keep_local_grads`` the reducer
+is reduced again over the survivors (or, with ``reject_nonfinite``, without the ranks whose
+gradients are not finite: [Note: non-finite gradients] in elastic/nonfinite.py). That needs every
+survivor's *local* gradient, so with ``keep_local_grads`` the reducer
 - never reduces a gradient in place in ``.grad`` (no lone-gradient shortcut; bucket views are
   refused by the elastic wrapper),
 - notes a failed collective in ``failures`` and starts no further collective in that step,
