@@ -41,7 +41,9 @@ from .wrapper.uneven_inputs import all_ranks_agree_to_sync, find_common_rank
 __all__ = ["DistributedDataParallel", "TorchDDP"]
 
 
-class DistributedDataParallel(DataParallelWrapper, TorchDDP):
+# The ignore below: the wrapper's output_device may be a torch.device, where torch's class keeps an
+# int; nothing of torch's class reads it ([Note: a subclass of torch's DDP for its type only]).
+class DistributedDataParallel(DataParallelWrapper, TorchDDP):  # type: ignore[misc]
     """Data-parallel training of ``module``: one process per device, gradients averaged.
 
     Drop-in for ``torch.nn.parallel.DistributedDataParallel`` (same arguments and methods); the
@@ -58,7 +60,7 @@ class DistributedDataParallel(DataParallelWrapper, TorchDDP):
         return cls._active_ddp_module  # always None: see above
 
     @property
-    def reducer(self) -> TorchReducer:
+    def reducer(self) -> TorchReducer:  # type: ignore[override]  # torch's is its C++ Reducer, an attribute
         """torch's ``Reducer`` API over the engine (compat/torch_reducer.py)."""
         return TorchReducer(self.engine)
 

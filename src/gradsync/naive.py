@@ -6,7 +6,7 @@ no overlap, no hooks; after ``backward()`` call ``average_gradients()``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ class NaiveDataParallel(nn.Module):
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.module = module
-        self.process_group = process_group or dist.group.WORLD
+        self.process_group = process_group or cast(dist.ProcessGroup, dist.group.WORLD)
         src = dist.get_global_rank(self.process_group, 0)
         with torch.no_grad():
             for tensor in list(module.parameters()) + list(module.buffers()):

@@ -112,7 +112,10 @@ class SyncBatchNorm(_BatchNorm):
         if self.track_running_stats:
             self._update_running_stats(mean, var, count, factor)
         invstd = torch.rsqrt(var + self.eps)
-        return _SyncBatchNormFunction.apply(input, self.weight, self.bias, mean, invstd, count, group)
+        out: torch.Tensor = _SyncBatchNormFunction.apply(  # type: ignore[no-untyped-call]  # torch's apply
+            input, self.weight, self.bias, mean, invstd, count, group
+        )
+        return out
 
     def _sync_group(self) -> dist.ProcessGroup | None:
         """The group to synchronise over, or None when this forward is plain BatchNorm."""
@@ -220,7 +223,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """y = x̂ * weight + bias with given global statistics; backward all-reduces (see the Note)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor | None,

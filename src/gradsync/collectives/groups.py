@@ -21,6 +21,9 @@ import torch.distributed as dist
 
 def group_of_members(ranks: list[int], **kwargs: Any) -> dist.ProcessGroup:
     """A new process group over ``ranks`` (global ranks), made by those processes alone."""
+    group: dist.ProcessGroup
     if len(ranks) == dist.get_world_size():
-        return dist.new_group(ranks, **kwargs)
-    return dist.new_group(ranks, use_local_synchronization=True, **kwargs)
+        group = dist.new_group(ranks, **kwargs)
+    else:
+        group = dist.new_group(ranks, use_local_synchronization=True, **kwargs)
+    return group

@@ -36,7 +36,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -153,7 +153,8 @@ class _Gather(_Job):
         super().run(handles)
 
     def receive_into(self, i: int, k: int, start: int, stop: int) -> torch.Tensor:
-        return self.receives[i][start:stop]
+        into: torch.Tensor = self.receives[i][start:stop]
+        return into
 
 
 class _ReduceScatter(_Job):
@@ -310,7 +311,7 @@ def _close_at_exit() -> None:
 
 def exchanger(group: dist.ProcessGroup | None) -> Exchanger:
     """The exchanger of ``group`` (None: the default group), made on first use."""
-    group = group if group is not None else dist.group.WORLD
+    group = group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
     with _LOCK:
         found = _EXCHANGERS.get(group)
         if found is None:

@@ -124,7 +124,8 @@ class PendingGather:
         self.output.copy_(self.received)
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        done: bool = self.work.is_completed()
+        return done
 
 
 def start_all_gather(

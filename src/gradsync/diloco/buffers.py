@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,7 @@ class BufferAverage:
         return BufferValues(floating, counters)
 
     def average_in_rank_order(
-        self, values: BufferValues, group: dist.ProcessGroup, wait: Callable[[dist.Work], object], works: list
+        self, values: BufferValues, group: dist.ProcessGroup, wait: Callable[[dist.Work], object], works: list[Any]
     ) -> BufferValues:
         """The mean of every member's ``values`` over ``group``, summed in rank order (so that a one-process
         replay gets the same bits), and the counters of the group's rank 0. Collectives are issued async,

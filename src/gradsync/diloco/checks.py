@@ -133,4 +133,4 @@ def fragment_count(fragments: object) -> int:
             f"fragments is one {type(fragments).__name__} (rank {dist.get_rank()}): pass a list of submodules, one "
             "per fragment (fragments=[block_a, block_b]), or an int for strided fragments."
         )
-    return fragments  # type: ignore[return-value] - Schedule.checked raises for anything but an int
+    return fragments  # type: ignore[return-value]  # Schedule.checked raises for anything but an int

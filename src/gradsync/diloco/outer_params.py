@@ -105,7 +105,7 @@ def fragment_layers(module: nn.Module, fragments: int | Sequence[object]) -> lis
 def _named_fragments(module: nn.Module, fragments: Sequence[object]) -> list[Layer]:
     """One layer per fragment the user named ([Note: fragments the user names]), checked to partition the model."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    names = {}
+    names: dict[int, str] = {}
     for name, param in module.named_parameters():
         names.setdefault(id(param), name)
     fragment_of: dict[int, int] = {}

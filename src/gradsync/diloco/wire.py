@@ -23,7 +23,7 @@ replica holds the same bits afterwards, whatever the format's rounding. Sums are
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -146,7 +146,7 @@ class Int4:
 
 def wire_format(wire: object) -> WireFormat:
     """The format named by ``DiLoCo(wire=...)``."""
-    formats = {"fp32": Fp32, "bf16": Bf16, "int8": Int8, "int4": Int4}
+    formats: dict[str, Callable[[], WireFormat]] = {"fp32": Fp32, "bf16": Bf16, "int8": Int8, "int4": Int4}
     if isinstance(wire, str) and wire in formats:
         return formats[wire]()
     if callable(wire):

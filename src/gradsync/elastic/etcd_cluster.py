@@ -23,6 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 LOCAL_BINARY = Path(".etcd/usr/bin/etcd")
 
@@ -58,7 +59,7 @@ class Member:
     peer_port: int
     data_dir: Path
     log: Path
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -130,12 +131,13 @@ class LocalCluster:
         log = member.log.open("a")
         member.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def status(self, member: Member, timeout_s: float = 0.5) -> dict | None:
+    def status(self, member: Member, timeout_s: float = 0.5) -> dict[str, Any] | None:
         """``/v3/maintenance/status`` of one member, or None if it does not answer."""
         request = urllib.request.Request(f"http://{member.endpoint}/v3/maintenance/status", data=b"{}", method="POST")
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-                return json.loads(reply.read())
+                answer: dict[str, Any] = json.loads(reply.read())
+                return answer
         except (OSError, ValueError):
             return None
 
@@ -164,15 +166,16 @@ class LocalCluster:
     def kill(self, member: Member) -> None:
         """SIGKILL one member (its data stays, so ``start_member`` brings it back)."""
         if member.alive:
-            member.process.send_signal(signal.SIGKILL)
-            member.process.wait()
+            process = cast("subprocess.Popen[bytes]", member.process)  # alive: not None
+            process.send_signal(signal.SIGKILL)
+            process.wait()
 
     def stop(self) -> None:
         """Kill every member; a data folder this cluster made itself goes too (one given to it stays)."""
         for member in self.members:
             self.kill(member)
         if self._owned:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
+            shutil.rmtree(cast(Path, self.data_dir), ignore_errors=True)  # a Path since __post_init__
 
     def __enter__(self) -> LocalCluster:
         return self.start()

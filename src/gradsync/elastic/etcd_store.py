@@ -103,6 +103,8 @@ class EtcdStore(dist.Store):
     """A store whose keys are replicated by the etcd cluster at ``endpoints`` ([Note: a store that survives
     losing a machine]). ``timeout`` bounds ``get``/``wait`` and how long an unavailable cluster is waited for."""
 
+    timeout: timedelta  # dist.Store's property (set by set_timeout), which torch's type stubs leave out
+
     def __init__(
         self,
         endpoints: list[str],
@@ -137,7 +139,7 @@ class EtcdStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         deadline = self._deadline()
-        found = self._wait_for(lambda: self._range(key), deadline)
+        found: bytes | None = self._wait_for(lambda: self._range(key), deadline)
         if found is None:
             raise dist.DistStoreError(f"wait timeout after {self._timeout_ms()}ms, keys: {key}")
         return found
@@ -283,7 +285,7 @@ class EtcdStore(dist.Store):
             time.sleep(min(pause, max(0.0, deadline - now)))
 
     # ------------------------------------------------------------------ requests and fail-over
-    def _call(self, path: str, body: dict, deadline: float | None = None) -> dict:
+    def _call(self, path: str, body: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
         """POST ``body`` to ``path``, moving to the next member on any failure, until ``deadline``."""
         deadline = deadline if deadline is not None else self._deadline()
         payload = json.dumps(body).encode()
@@ -303,7 +305,7 @@ class EtcdStore(dist.Store):
                 time.sleep(min(0.02 * attempt / len(self.endpoints), 0.1, max(0.0, deadline - time.monotonic())))
         raise AssertionError("unreachable")
 
-    def _post(self, endpoint: str, path: str, payload: bytes, timeout_s: float) -> dict:
+    def _post(self, endpoint: str, path: str, payload: bytes, timeout_s: float) -> dict[str, Any]:
         connections = self._local.__dict__.setdefault("connections", {})
         connection = connections.get(endpoint)
         if connection is None:
@@ -328,7 +330,7 @@ class EtcdStore(dist.Store):
             raise _Unanswered(message)
         raise RuntimeError(f"etcd at {endpoint} refused {path}: {message} (code {code})")
 
-    def _status(self, endpoint: str) -> dict | None:
+    def _status(self, endpoint: str) -> dict[str, Any] | None:
         """A member's status (None: no answer). Asked from a pool thread: a connection of its own, not
         the one a failed request left behind."""
         try:

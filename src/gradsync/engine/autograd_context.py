@@ -101,10 +101,11 @@ def graph_task_id() -> int:
 
 def accumulator_node(param: torch.Tensor) -> Any:
     """``param``'s ``AccumulateGrad`` node: the one a live graph holds, else a new one."""
+    # The ignores below: the view of a parameter that requires grad has a grad_fn.
     if torch.is_grad_enabled():  # at a synced forward it is: torch.enable_grad() alone costs 10 us
-        return param.view_as(param).grad_fn.next_functions[0][0]
+        return param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
     with torch.enable_grad():
-        return param.view_as(param).grad_fn.next_functions[0][0]
+        return param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 
 def classify_backward(nodes: Iterable[Any]) -> BackwardKind:
@@ -173,7 +174,7 @@ class ContextGradients:
         return missing
 
 
-def _weak_node_hook(owner_ref: weakref.ref, index: int) -> Callable[[Any, Any], None]:
+def _weak_node_hook(owner_ref: weakref.ref[Any], index: int) -> Callable[[Any, Any], None]:
     def hook(grad_inputs: Any, grad_outputs: Any) -> None:
         owner = owner_ref()
         if owner is not None:
@@ -245,7 +246,7 @@ class DistributedBackwards:
 
     def kind_at_start(self) -> BackwardKind:
         """A backward through the armed forward's outputs starts: what kind is it?"""
-        nodes = self.accumulators
+        nodes: Iterable[Any] | None = self.accumulators
         if nodes is None:  # a GPU without RPC: the first node settles an ordinary backward; the rest as asked
             probe, self._probe = self._probe, None
             first = [probe] if probe is not None else []
@@ -257,7 +258,7 @@ class DistributedBackwards:
         """The running backward's kind, asked of parameter ``index`` if nothing asked before (a
         parameter used outside the forward reports before any output node runs)."""
         if self.kind is None:  # only hooks registered once RPC runs ask this: the nodes are held
-            self.kind = classify_backward([self.accumulators[index]])
+            self.kind = classify_backward([self.accumulators[index]])  # type: ignore[index]  # held: see above
         return self.kind
 
     def first_in_task(self) -> bool:

@@ -14,6 +14,7 @@ follows the new buffers:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from .reductions import Reduction
 class BucketLayout:
     """The reducer's buckets, the caps they are cut with, and the one-time rebuild's progress."""
 
-    def __init__(self, params: list[torch.Tensor], config: ReducerConfig) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], config: ReducerConfig) -> None:
         count = len(params)
         self.caps = list(config.caps)  # what the rebuild uses; a compressing hook may change it (wrapper)
         self._keep_local_grads = config.keep_local_grads  # the fault-tolerant mode: .grad stays local

@@ -37,7 +37,7 @@ class BucketSet:
 
     def __init__(
         self,
-        params: list[torch.Tensor],
+        params: Sequence[torch.Tensor],
         sparse: list[bool],
         order: Sequence[int],
         caps: list[int],
@@ -173,7 +173,7 @@ class BucketSet:
         # tensors with ==; identity is what we mean.
         if not unused and all(g is not None and not g.is_sparse for g in grads):
             if not as_view:
-                _copy_in(storage, grads, divisor)
+                _copy_in(storage, grads, divisor)  # type: ignore[arg-type]  # none is None: checked above
                 return
             aliased = [g is v for g, v in zip(grads, storage.views)]
             if all(aliased):  # .grad kept from the last step: autograd accumulated in place
@@ -182,7 +182,7 @@ class BucketSet:
                 return
             if not any(aliased):
                 # Fresh tensors, e.g. after zero_grad(set_to_none=True): copy, then alias.
-                _copy_in(storage, grads, divisor)
+                _copy_in(storage, grads, divisor)  # type: ignore[arg-type]  # none is None: checked above
                 for param, view in zip(storage.params, storage.views):
                     param.grad = view
                 return
@@ -331,19 +331,20 @@ class BucketSet:
                 return problem
             storage.flat.copy_(result.view(-1))
         if self.context is not None:
-            return self._write_into_context(storage, globally_used)
+            self._write_into_context(self.context, storage, globally_used)
+            return None
         self._copy_out(storage, as_view, globally_used, unused)
         return None
 
-    def _write_into_context(self, storage: BucketStorage, used: list[bool] | None) -> None:
+    def _write_into_context(self, context: ContextGradients, storage: BucketStorage, used: list[bool] | None) -> None:
         """A dist backward's averages, into the context's own gradient tensors.
 
         Nothing public adds a gradient to a context, so a parameter this rank did not use but
         another did cannot get its average here: named, rather than left to step on one rank only.
         """
-        missing = self.context.write(storage.params, storage.views)
+        missing = context.write(storage.params, storage.views)
         indices = storage.param_indices
-        self.context.unplaced.extend(indices[k] for k in missing if used is not None and used[indices[k]])
+        context.unplaced.extend(indices[k] for k in missing if used is not None and used[indices[k]])
         return None
 
     def _copy_out(self, storage: BucketStorage, as_view: bool, used: list[bool] | None, unused: set[int]) -> None:
@@ -351,7 +352,7 @@ class BucketSet:
         if used is None and not unused and not as_view:
             grads = [p.grad for p in params]
             if all(g is not None for g in grads):
-                torch._foreach_copy_(grads, views)
+                torch._foreach_copy_(grads, views)  # type: ignore[arg-type]  # none is None: checked above
                 return
         for i, param, view in zip(storage.param_indices, params, views):
             if used is not None and not used[i]:

@@ -75,7 +75,7 @@ def add_note(error: BaseException, note: str) -> None:
     if hasattr(error, "add_note"):
         error.add_note(note)
     else:
-        error.__notes__ = [*getattr(error, "__notes__", []), note]
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]  # 3.11's
 
 
 def collective_failed(rank: int, where: str, detail: str) -> str:
@@ -132,7 +132,7 @@ def ordinary_backward_in_context(context_id: int, rank: int, iteration: int) -> 
     )
 
 
-def context_released(context_id: int, rank: int, iteration: int) -> str:
+def context_released(context_id: int | None, rank: int, iteration: int) -> str:
     return (
         f"On rank {rank}, iteration {iteration}: distributed autograd context {context_id} was released "
         "before the averaged gradients could be written into it. Keep the forward, "

@@ -19,7 +19,7 @@ comm hooks and with ``no_sync`` (accumulating backwards step nothing; the synced
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ class FusedOptimizer:
         optim_cls: type[torch.optim.Optimizer],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        params: list[torch.Tensor],
+        params: Sequence[torch.Tensor],
         optim_params: Iterable[torch.Tensor] | None,
     ) -> None:
         if not (isinstance(optim_cls, type) and issubclass(optim_cls, torch.optim.Optimizer)):

@@ -24,7 +24,7 @@ import torch
 
 # id(parameter) -> (weak parameter, weak owner); checked against the parameter itself,
 # so an id reused by a new tensor after the old one died is not mistaken for it.
-_owners: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_owners: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
 
 
 def _remove(handles: list[Any]) -> None:
@@ -33,7 +33,7 @@ def _remove(handles: list[Any]) -> None:
     handles.clear()
 
 
-def _weak_hook(owner_ref: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
+def _weak_hook(owner_ref: weakref.ref[Any], index: int) -> Callable[[torch.Tensor], None]:
     def hook(param: torch.Tensor) -> None:
         owner = owner_ref()
         if owner is not None:

@@ -127,7 +127,7 @@ class Reducer:
         self.buckets.begin_iteration()
         if self.streams is not None:  # CUDA
             self.streams.begin_pass(self.buckets.bucket_of, len(self.buckets.storages))
-            self.records.clock.begin_pass(len(self.buckets.storages))
+            self.records.clock.begin_pass(len(self.buckets.storages))  # type: ignore[union-attr]  # CUDA: a clock
 
     def before_forward(self) -> None:
         """Before every grad-enabled forward: check the last backward finished; rebuild once."""
@@ -321,12 +321,12 @@ class Reducer:
                 return
             if self.streams is not None:  # CUDA: [Note: stream order] in streams.py
                 self.streams.wait_for_producers(b)
-                self.records.clock.launched(b)
+                self.records.clock.launched(b)  # type: ignore[union-attr]  # CUDA: a clock
             started = self.reduction.start(self._launch_context(), b)
             current.launched.append(started.pending)
             current.errors.extend(started.errors)
             if self.streams is not None:
-                self.records.clock.watch(b, started.pending)
+                self.records.clock.watch(b, started.pending)  # type: ignore[union-attr]  # CUDA: a clock
             if self.records.timeline is not None and started.pending is not None:
                 self.records.watch_completion(current.times, b, started.pending)
 
@@ -440,7 +440,8 @@ class Reducer:
             logger.info("static graph: parameters unused on every rank: %s", [self.names[i] for i in never])
 
     def _step_fused(self, b: int) -> None:
-        self.fused_optimizer.step_bucket(self.buckets, b)  # [Note: stepping as buckets complete]
+        # Passed as ``after`` only while there is a fused optimizer (_write_averages).
+        self.fused_optimizer.step_bucket(self.buckets, b)  # type: ignore[union-attr]  # [Note: stepping as buckets complete]
 
     # ------------------------------------------------------------------ errors
     def _raise_errors(self, problems: list[str | Exception]) -> None:

@@ -28,7 +28,7 @@ from .bucket_set import BucketSet
 from .errors import add_note, hook_not_future
 from .grad_bucket import GradBucket
 
-CommHook = Callable[[Any, GradBucket], torch.futures.Future]
+CommHook = Callable[[Any, GradBucket], torch.futures.Future[Any]]
 
 
 def hook_name(hook: CommHook) -> str:
@@ -152,6 +152,9 @@ class AllReduce(Reduction):
 
 class CommHookReduction(Reduction):
     """``hook(state, bucket) -> Future[Tensor]`` per bucket (torch's contract), on undivided gradients."""
+
+    hook: CommHook  # never None here
+    name: str
 
     def __init__(self, hook: CommHook, state: Any) -> None:
         self.hook = hook

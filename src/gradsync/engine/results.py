@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ def wait_for(pending: Any) -> torch.Tensor | None:
     value = pending.wait()  # a future from a comm hook
     if isinstance(value, list) and len(value) == 1:
         value = value[0]  # raw collective futures yield a one-element list
-    return value
+    return cast("torch.Tensor | None", value)
 
 
 def check_result(b: int, result: Any, flat: torch.Tensor, hook_name: str | None) -> str | None:

@@ -11,6 +11,8 @@ used keeps its ``.grad`` as it was, as with torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -26,7 +28,7 @@ class ParameterUsage:
         self.forward_unused: set[int] | None = None  # the graph search's answer for the armed forward
         self.never_used: list[bool] | None = None  # static_graph: whether any rank used it in iteration 0
 
-    def search(self, roots: list[torch.autograd.graph.Node], params: list[torch.Tensor], combine: bool) -> None:
+    def search(self, roots: list[torch.autograd.graph.Node], params: Sequence[torch.Tensor], combine: bool) -> None:
         """The parameters the graph behind ``roots`` does not reach. With no roots nothing tells
         which parameters the coming backward uses; those that report nothing then count as unused
         at its end."""
@@ -63,7 +65,7 @@ class ParameterUsage:
         """static_graph's first backward: parameters no rank used keep ``.grad`` None from now on; their indices."""
         never = [i for i, used in enumerate(globally_used or []) if not used]
         if never:
-            self.never_used = list(globally_used)
+            self.never_used = list(globally_used)  # type: ignore[arg-type]  # not None: ``never`` came from it
         return never
 
     def end_synced_backward(self) -> None:

@@ -51,10 +51,11 @@ def end_bucket(wire: WireStats | None, bucket: GradBucket) -> None:
         wire.end_iteration()
 
 
-def first_tensor(fut: torch.futures.Future) -> torch.Tensor:
+def first_tensor(fut: torch.futures.Future[Any]) -> torch.Tensor:
     """The tensor a collective's future yields (process groups wrap it in a one-element list)."""
     value = fut.value()
-    return value[0] if isinstance(value, list) else value
+    tensor: torch.Tensor = value[0] if isinstance(value, list) else value
+    return tensor
 
 
 def allreduce_future(
@@ -79,7 +80,8 @@ def allreduce_future(
     if wire is not None:
         wire.add_all_reduce(tensor)
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(first_tensor)
+    future: torch.futures.Future[torch.Tensor] = work.get_future().then(first_tensor)
+    return future
 
 
 def allreduce_hook(process_group_or_state: GroupOrState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:

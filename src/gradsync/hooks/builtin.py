@@ -16,12 +16,16 @@ from ..engine.grad_bucket import GradBucket
 from .allreduce import allreduce_hook
 from .compression import fp16_compress_hook
 
-_HOOKS = {"ALLREDUCE": allreduce_hook, "FP16_COMPRESS": fp16_compress_hook}
+# Keyed by name; looked up with whatever ``comm_hook_type.name`` is (None for an unknown object).
+_HOOKS: dict[object, Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]] = {
+    "ALLREDUCE": allreduce_hook,
+    "FP16_COMPRESS": fp16_compress_hook,
+}
 
 
 def builtin_hook(
     comm_hook_type: Any, process_group: dist.ProcessGroup
-) -> Callable[[Any, GradBucket], torch.futures.Future]:
+) -> Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]:
     """The hook for ``comm_hook_type``; it reduces over ``process_group`` whatever state it gets."""
     name = getattr(comm_hook_type, "name", None)
     inner = _HOOKS.get(name)

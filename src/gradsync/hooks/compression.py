@@ -15,7 +15,7 @@ import torch
 from ..engine.grad_bucket import GradBucket
 from .allreduce import GroupOrState, allreduce_future, end_bucket, first_tensor, resolve
 
-Hook = Callable[[Any, GradBucket], torch.futures.Future]
+Hook = Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 def _cast_hook(state: GroupOrState, bucket: GradBucket, dtype: torch.dtype) -> torch.futures.Future[torch.Tensor]:
@@ -31,7 +31,7 @@ def _cast_hook(state: GroupOrState, bucket: GradBucket, dtype: torch.dtype) -> t
     fut = allreduce_future(compressed, group, world_size, wire, divide=False)
     end_bucket(wire, bucket)
 
-    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+    def decompress(fut: torch.futures.Future[Any]) -> torch.Tensor:
         buffer.copy_(first_tensor(fut))
         return buffer
 
@@ -94,7 +94,7 @@ def compress_wrapper(hook: Hook, dtype: torch.dtype) -> Hook:
         bucket.set_buffer(buffer.to(dtype))
         fut = hook(state, bucket)
 
-        def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        def decompress(fut: torch.futures.Future[Any]) -> torch.Tensor:
             buffer.copy_(first_tensor(fut))
             return buffer
 

@@ -50,7 +50,7 @@ def views(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tenso
 
 def initial_q(state: Any, bucket: GradBucket, numel: int, like: torch.Tensor) -> torch.Tensor:
     if state.warm_start:
-        q = state.q_memory.lookup(bucket)
+        q: torch.Tensor | None = state.q_memory.lookup(bucket)
         if q is not None and q.numel() == numel:
             return q
     q = torch.randn(numel, generator=state.generator).to(device=like.device, dtype=like.dtype)
@@ -87,7 +87,7 @@ class LowRankRound:
         self.p_flat = like.new_empty(p_numel + (0 if passenger is None else passenger.numel()))
         self.carried = None if passenger is None else self.p_flat[p_numel:]
         if self.carried is not None:
-            self.carried.copy_(passenger)
+            self.carried.copy_(passenger)  # type: ignore[arg-type]  # carried only with a passenger
         self.q_flat = initial_q(state, bucket, sum(a * b for a, b in q_shapes), like)
         self.ps, self.qs = views(self.p_flat, p_shapes), views(self.q_flat, q_shapes)
         for m, p, q in zip(matrices, self.ps, self.qs):
@@ -111,16 +111,16 @@ class LowRankRound:
             state.wire.add_all_reduce(self.q_flat)
             q_future = dist.all_reduce(self.q_flat, group=state.process_group, async_op=True).get_future()
         except Exception as error:  # noqa: BLE001 - handed to whoever waits for the bucket
-            self.result.set_exception(error)
+            self.result.set_exception(error)  # type: ignore[arg-type]  # torch types it as the result's type
             return
         q_future.then(self._complete)
 
     def fail(self, why: str) -> None:
-        self.result.set_exception(RuntimeError(why))
+        self.result.set_exception(RuntimeError(why))  # type: ignore[arg-type]  # as in finish
 
-    def _complete(self, q_future: torch.futures.Future) -> None:
+    def _complete(self, q_future: torch.futures.Future[Any]) -> None:
         try:
             q_future.value()  # re-raises a failed all-reduce
             self.result.set_result(self.write(self.ps, self.qs, self.carried))
         except Exception as error:  # noqa: BLE001 - handed to whoever waits for the bucket
-            self.result.set_exception(error)
+            self.result.set_exception(error)  # type: ignore[arg-type]  # as in finish

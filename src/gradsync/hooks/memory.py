@@ -62,7 +62,7 @@ class BucketMemory:
 
 def start_with_error_feedback(
     state: Any, bucket: GradBucket
-) -> tuple[torch.futures.Future | None, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.futures.Future[torch.Tensor] | None, torch.Tensor, torch.Tensor | None]:
     """The common start of hooks with error feedback (``state.errors``, ``.error_feedback``).
 
     A sparse bucket is all-reduced unchanged: returns its future. Otherwise the held-back

@@ -273,8 +273,8 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     if flat is not None and state.use_error_feedback:
         for o, n in plain:
             work[o : o + n].zero_()  # sent exactly: nothing left over for error feedback
-    if not compressed:
-        fut = allreduce_future(flat, state.process_group, state.world_size, state.wire, divide=False)
+    if not compressed:  # then the bucket is all plain: flat is not None
+        fut = allreduce_future(flat, state.process_group, state.world_size, state.wire, divide=False)  # type: ignore[arg-type]
         state.end_bucket(bucket)
         return fut.then(lambda f: _write_plain(buffer, plain, f.value()))
     outputs = [buffer[o : o + rows * cols].view(rows, cols) for o, rows, cols, _ in compressed]

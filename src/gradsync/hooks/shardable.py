@@ -31,7 +31,8 @@ _WIRE_DTYPES: dict[Any, torch.dtype | None] = {
 def shard_wire_dtype(hook: Any, name: str, rank: int) -> torch.dtype | None:
     """The dtype ``hook`` sends in (None: the gradients' own), or a ``ValueError`` naming it."""
     if hasattr(hook, "shard_wire_dtype"):  # a built-in hook (builtin.py)
-        return hook.shard_wire_dtype
+        dtype: torch.dtype | None = hook.shard_wire_dtype
+        return dtype
     try:
         return _WIRE_DTYPES[hook]
     except (KeyError, TypeError):

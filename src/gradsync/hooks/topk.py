@@ -14,6 +14,7 @@ rank; its cost per rank grows with the world size (see ``wire.py``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,7 +131,7 @@ def topk_hook(state: TopKState, bucket: GradBucket) -> torch.futures.Future[torc
     value_work = dist.all_gather(gathered_values, values, group=group, async_op=True)
     end_bucket(state.wire, bucket)
 
-    def densify(fut: torch.futures.Future) -> torch.Tensor:
+    def densify(fut: torch.futures.Future[Any]) -> torch.Tensor:
         for f in fut.value():
             f.value()  # re-raises a failed all-gather
         buffer.zero_()

@@ -167,7 +167,7 @@ class CudaClock:
         it ([Note: sampled bucket completions]): the last bucket always, the others on sampled passes."""
         events = self.current
         future = None if events is None else _future_of(pending)
-        if future is None:
+        if events is None or future is None:
             return  # untimed pass, nothing started, or a reduction that exposes no future: no completion event
         if not events.every_bucket and b != len(events.bucket_done) - 1:
             events.untimed.append(b)
@@ -216,7 +216,8 @@ class CudaClock:
             deliver(times)
 
     def _seconds(self, event: Any) -> float:
-        return self._anchor_s + self._anchor.elapsed_time(event) / 1e3
+        seconds: float = self._anchor_s + self._anchor.elapsed_time(event) / 1e3
+        return seconds
 
     def _resolve(self, events: PassEvents, times: IterationTimes) -> None:
         """Overwrite ``times``' host timestamps with the events' (perf_counter axis)."""

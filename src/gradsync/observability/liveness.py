@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -41,7 +42,7 @@ _POLL_S = 0.5
 _started: set[tuple[str, str]] = set()
 # The last roll call's verdict this process saw, kept by its responder thread ([Note: a store
 # that dies with rank 0]): {"by": rank, "missing": [ranks], "where": text}.
-_last_verdict: dict | None = None
+_last_verdict: dict[str, Any] | None = None
 
 
 def _prefix() -> str:
@@ -90,7 +91,7 @@ def _respond_until(rank: int, stop: threading.Event) -> None:
         while not stop.wait(_POLL_S):
             request = f"{prefix}/request/{generation}"
             while store.check([request]) and not stop.is_set():
-                store.set(f"{prefix}/answer/{generation}/{rank}", store.get(request))
+                store.set(f"{prefix}/answer/{generation}/{rank}", store.get(request))  # type: ignore[arg-type]  # bytes
                 awaited.append(generation)
                 generation += 1
                 request = f"{prefix}/request/{generation}"

@@ -65,7 +65,7 @@ class DDPStats:
 
     def as_dict(self) -> dict[str, Any]:
         """Every field as JSON-ready values (buckets a list of dicts, names lists), for loggers."""
-        values = _lists(dataclasses.asdict(self))
+        values: dict[str, Any] = _lists(dataclasses.asdict(self))
         values["exposed_comm_share"] = self.exposed_comm_share
         return values
 

@@ -177,9 +177,9 @@ def default_bucket_caps(group: dist.ProcessGroup, device: torch.device, total_by
     """``bucket_cap_mb=None``: torch's caps, or "auto"'s for a large CPU model whose collectives wait on a link."""
     if total_bytes < ADAPT_MIN_BYTES or device.type != "cpu":
         return bucket_caps_bytes(None, None)
-    share = torch.tensor([_cpu_share(PROBE_LARGE, group, device)], dtype=torch.float64, device=device)
-    dist.all_reduce(share, op=dist.ReduceOp.MAX, group=group)  # every rank decides alike
-    share = share.item()
+    shares = torch.tensor([_cpu_share(PROBE_LARGE, group, device)], dtype=torch.float64, device=device)
+    dist.all_reduce(shares, op=dist.ReduceOp.MAX, group=group)  # every rank decides alike
+    share = shares.item()
     caps = default_caps_from(total_bytes, share)
     logger.info("default bucket caps: all-reduce CPU share %.2f -> %s MiB", share, [round(c / MIB, 2) for c in caps])
     return caps

@@ -13,7 +13,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -165,7 +165,7 @@ class DataParallelWrapper(nn.Module, Joinable):
             output = self.module(*inputs, **kwargs)
         return self._post_forward(output)
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # torch's decorator has no annotations
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Everything before the wrapped module runs; inputs moved to the module's device.
 
@@ -207,7 +207,7 @@ class DataParallelWrapper(nn.Module, Joinable):
                 inputs, kwargs = self._mixed_precision.cast_inputs(inputs, kwargs)
             return inputs, kwargs
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # as above
     def _post_forward(self, output: Any) -> Any:
         """Arm the engine for the backward through ``output`` (or not, under ``no_sync``).
 
@@ -267,7 +267,7 @@ class DataParallelWrapper(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = previous
 
-    def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
+    def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future[Any]]) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch's contract)."""
         try:
             self._check_can_register(hook)
@@ -354,7 +354,7 @@ class DataParallelWrapper(nn.Module, Joinable):
 
         Costs one pass over the model and one small all-gather per check (observability/divergence.py).
         """
-        named = [(n, p) for n, p in self._named_params]
+        named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in self._named_params]
         if include_buffers:
             names = {id(b): n for n, b in self.module.named_buffers()}
             named += [(names.get(id(b), "buffer"), b) for b in self._module_state.buffers]
@@ -386,7 +386,7 @@ class DataParallelWrapper(nn.Module, Joinable):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         nn.Module.__setstate__(self, state)
-        self.process_group = dist.group.WORLD
+        self.process_group = cast(dist.ProcessGroup, dist.group.WORLD)
         self._checks = AgreementChecks(self.process_group)
         self._settings.checks = self._checks
         self.engine = self._build_engine()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,14 +30,15 @@ def resolve_process_group(process_group: Any, device_mesh: Any) -> dist.ProcessG
                 f"Only 1D device mesh is supported, but got a {device_mesh.ndim}-D one; "
                 "slice the data-parallel dimension out first (mesh['dp'])."
             )
-        return device_mesh.get_group(mesh_dim=0)
+        group: dist.ProcessGroup = device_mesh.get_group(mesh_dim=0)
+        return group
     if not dist.is_initialized():
         raise ValueError(
             "Default process group has not been initialized, please make sure to call init_process_group. "
             "Call torch.distributed.init_process_group() (torchrun sets the environment for it) before "
             "wrapping the model in DistributedDataParallel."
         )
-    return process_group if process_group is not None else dist.group.WORLD
+    return process_group if process_group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
 
 
 def check_parameters(module: nn.Module, named_params: list[tuple[str, nn.Parameter]]) -> None:

@@ -61,7 +61,7 @@ def find_common_rank(rank: int, candidate: bool, group: dist.ProcessGroup, devic
 def all_ranks_agree_to_sync(wants_sync: bool, group: dist.ProcessGroup, device: torch.device) -> dist.Work | bool:
     """Whether any rank syncs gradients this iteration; joined ranks wait for the answer."""
     flag = torch.tensor([1 if wants_sync else 0], device=device)
-    work = dist.all_reduce(flag, group=group, async_op=True)
+    work: dist.Work = dist.all_reduce(flag, group=group, async_op=True)
     if wants_sync:
         return work  # active ranks need not wait: joined ranks are the ones asking
     work.wait()

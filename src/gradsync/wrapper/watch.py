@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 # id(module) -> (module ref, callback ref); weak so a dead wrapper or module is forgotten.
-_watched: dict[int, tuple[weakref.ref, Callable[[], Any]]] = {}
+_watched: dict[int, tuple[weakref.ref[nn.Module], Callable[[], Any]]] = {}
 _installed = False
 
 

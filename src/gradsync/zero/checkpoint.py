@@ -52,7 +52,7 @@ EXTRA = "extra"
 _RANGE = re.compile(r"(?P<name_key>.+)\.(?P<start>\d+)-(?P<stop>\d+)")
 
 Chunks = dict[tuple[str, str], list[tuple[int, int, str]]]  # (parameter, key) -> [(start, stop, dcp key)]
-Path = Union[str, PathLike]
+Path = Union[str, PathLike[str]]
 
 
 def save_sharded(path: Path, ddp: DataParallelWrapper, optimizer: ShardedOptimizer, extra: Any = None) -> None:

@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ class ScopedMode(TorchDispatchMode):
     """A dispatch mode pushed by ``push`` and swept off by ``pop`` ([Note: a mode pushed outside a with block])."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is not annotated
         self.thread: int | None = None  # the thread whose stack holds this mode, while it does
 
     @property
@@ -53,7 +54,7 @@ class ScopedMode(TorchDispatchMode):
         makes it skip every frame that starts meanwhile, for good (the code is marked, not the call)."""
         return True
 
-    def push(self) -> bool:
+    def push(self) -> bool:  # type: ignore[override]  # torch's classmethod push() makes a new mode
         """Onto this thread's mode stack; False where it cannot go (a mode not ours is there, another thread,
         inside a compiled call)."""
         here = threading.get_ident()
@@ -64,7 +65,7 @@ class ScopedMode(TorchDispatchMode):
         sweep()
         if any(not isinstance(mode, ScopedMode) for mode in _get_current_dispatch_mode_stack()):
             return False
-        self.__enter__()
+        self.__enter__()  # type: ignore[no-untyped-call]
         self.thread = here
         return True
 
@@ -83,7 +84,7 @@ def sweep() -> None:
         # The stack walk last: this runs after every forward, mostly with nothing of ours on the stack.
         if not isinstance(top, ScopedMode) or top.thread != here or not top.idle or compiled_call_running():
             return
-        top.__exit__(None, None, None)
+        top.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         top.thread = None
 
 
@@ -94,7 +95,7 @@ def compiled_call_running() -> bool:
     """Whether this thread runs inside a call of a torch.compile'd function or module (the eager hooks
     it calls at graph breaks included). The wrapper's frame is ``compile_wrapper`` (torch 2.13), or an
     ``_fn`` closing over the compile context (older releases; ``DisableContext``'s own ``_fn`` is not one)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_filename.endswith(_EVAL_FRAME):

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ class ParamBuffers:
     def __init__(
         self,
         module: nn.Module,
-        params: list[torch.Tensor],
+        params: Sequence[torch.Tensor],
         names: list[str],
         group: dist.ProcessGroup,
         gather_group: Any = None,
@@ -69,7 +69,8 @@ class ParamBuffers:
         self.flats: list[torch.Tensor] = []  # per bucket: its parameters, padded; the parameters are views
         self.pending: dict[int, Any] = {}  # bucket -> its all-gather in flight
         self.failed: dict[int, RuntimeError] = {}  # bucket -> why its last all-gather failed (it is not whole)
-        self._spans: dict[int, tuple[list[int], list[int], list[int]]] = {}  # storage -> starts, ends, params
+        # storage -> starts, ends, params (storage_key's None, for tensors without a storage, never among them)
+        self._spans: dict[int | None, tuple[list[int], ...]] = {}
         # What each module reads, learned in the first forward ([Note: what a module's forward reads]).
         self.reads = ModuleReads(module, params, weakref.WeakMethod(self.locate))
         self._waits: dict[nn.Module, list[int]] = {}  # module -> the buckets its forward pre-hook waits for
@@ -110,7 +111,7 @@ class ParamBuffers:
 
     def own_range(self, b: int) -> torch.Tensor:
         """This rank's range of bucket ``b``'s flat parameter buffer (a view: writes reach the parameters)."""
-        size = self.layout.shard_numel[b]
+        size = self.layout.shard_numel[b]  # type: ignore[union-attr]  # adopted
         return self.flats[b].narrow(0, self.rank * size, size)
 
     def locate(self, tensor: torch.Tensor) -> int | None:
@@ -125,12 +126,12 @@ class ParamBuffers:
 
     def gather_order(self) -> list[int]:
         """The buckets in the order the first forward first used them, then the rest (later buckets first)."""
-        bucket_of, count = self.buckets.bucket_of, len(self.flats)
+        bucket_of, count = self.buckets.bucket_of, len(self.flats)  # type: ignore[union-attr]  # adopted
         used = list(dict.fromkeys(bucket_of[i] for i in self.reads.first_use))
         return used + [b for b in reversed(range(count)) if b not in used]
 
     def _compute_waits(self) -> None:
-        bucket_of = self.buckets.bucket_of
+        bucket_of = self.buckets.bucket_of  # type: ignore[union-attr]  # adopted
         self._waits = {m: sorted({bucket_of[i] for i in self.reads.wanted(m)}) for m in self.reads.hooked}
 
     # ------------------------------------------------------------------ gathers
@@ -196,7 +197,7 @@ class ParamBuffers:
         self.guard.disarm()
 
     def _gather_failed(self, b: int, error: BaseException) -> RuntimeError:
-        names = [self.names[i] for i in self.buckets.storages[b].param_indices]
+        names = [self.names[i] for i in self.buckets.storages[b].param_indices]  # type: ignore[union-attr]  # adopted
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         return RuntimeError(
             f"The all-gather of the parameters after the last optimizer step failed on rank {self.rank} (bucket {b}: "
@@ -240,7 +241,7 @@ def extent(view: torch.Tensor) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(view.shape, view.stride()))
 
 
-def weakly(ref: weakref.ref, method: str) -> Callable[..., None]:
+def weakly(ref: weakref.ref[Any], method: str) -> Callable[..., None]:
     """A hook calling ``method`` of the object ``ref`` refers to, while it lives.
 
     Never traced by torch.compile (a hook of a compiled module runs eagerly, as a graph break): it
@@ -251,4 +252,4 @@ def weakly(ref: weakref.ref, method: str) -> Callable[..., None]:
         if owner is not None:
             getattr(owner, method)(*args)
 
-    return torch.compiler.disable(hook)
+    return cast("Callable[..., None]", torch.compiler.disable(hook))

@@ -23,6 +23,7 @@ itself only in a branch its first forward did not take is the one case left to
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from .dispatch_modes import ScopedMode, tensors_in
 class DirectReads(ScopedMode):
     """One forward's record: the parameters each module's code read itself, and their first-use order."""
 
-    def __init__(self, modules: list[nn.Module], locate: weakref.WeakMethod) -> None:
+    def __init__(self, modules: list[nn.Module], locate: weakref.WeakMethod[Any]) -> None:
         super().__init__()
         self.modules = modules
         # tensor -> index of the parameter it is (a view of), or None; weakly: its owner holds this record
@@ -93,7 +94,7 @@ class ModuleReads:
     """Which parameters each module's forward pre-hook waits for: its own and those its code read, once a
     forward's record was taken; everything below it before that, or for a module that did not run then."""
 
-    def __init__(self, module: nn.Module, params: list[torch.Tensor], locate: weakref.WeakMethod) -> None:
+    def __init__(self, module: nn.Module, params: Sequence[torch.Tensor], locate: weakref.WeakMethod[Any]) -> None:
         index = {id(p): i for i, p in enumerate(params)}
         modules = list(module.modules())
         self.params = params  # by engine index

@@ -10,8 +10,8 @@ it is never stepped. State is keyed by piece between layouts (``state``, ``build
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -29,7 +29,7 @@ class PieceOptimizer:
         optimizer_class: type[torch.optim.Optimizer],
         kwargs: dict[str, Any],
         param_groups: list[dict[str, Any]],
-        params: list[torch.Tensor],
+        params: Sequence[torch.Tensor],
     ) -> None:
         """``param_groups``: the sharded optimizer's own (LR schedulers change them); ``params``: by engine index."""
         self.optimizer_class, self.kwargs = optimizer_class, kwargs
@@ -65,16 +65,16 @@ class PieceOptimizer:
         self.inner, self.tensors = None, []
 
     def state(self) -> PieceState:
-        inner = self.inner
+        inner = cast(torch.optim.Optimizer, self.inner)  # built
         return {p: dict(inner.state[t]) for p, t in zip(self.pieces, self.tensors) if t in inner.state}
 
     def step(self, grad_of: GradOf) -> None:
         """Every piece with a gradient, with the param groups' hyper-parameters as they are now."""
-        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):  # type: ignore[union-attr]  # built
             inner.update(_values(outer))  # LR schedulers change the outer groups
         indices = range(len(self.pieces))
         self._bind(grad_of, indices)
-        self.inner.step()
+        self.inner.step()  # type: ignore[union-attr]  # built
         self._unbind(indices)
 
     def step_in_order(self, order: list[int], grad_of: GradOf, after_bucket: Callable[[int], None]) -> None:
@@ -104,11 +104,12 @@ class PieceOptimizer:
 
     def step_bucket(self, b: int, grad_of: GradOf, hyperparameters: list[dict[str, Any]] | None) -> None:
         """Bucket ``b``'s pieces alone; ``hyperparameters`` (per group) first, unless None (kept)."""
-        for inner, values in zip(self.inner.param_groups, hyperparameters or []):
+        for inner, values in zip(self.inner.param_groups, hyperparameters or []):  # type: ignore[union-attr]  # built
             inner.update(values)
         indices = self.by_bucket[b]
         self._bind(grad_of, indices)
-        step_pieces(self.inner, [self.tensors[i] for i in indices], [self.group_of[i] for i in indices])
+        inner = cast(torch.optim.Optimizer, self.inner)  # built
+        step_pieces(inner, [self.tensors[i] for i in indices], [self.group_of[i] for i in indices])
         self._unbind(indices)
 
     def _bind(self, grad_of: GradOf, indices: range | list[int]) -> None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -146,7 +146,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             at_drain = not (engine.config.find_unused_parameters or engine.config.static_graph)
             self._reduction.listen(self, at_drain)
         engine.use_reduction(self._reduction, pad_multiple=dist.get_world_size(self._group))
-        self._layout: ShardLayout = self._reduction.layout
+        self._layout = cast(ShardLayout, self._reduction.layout)  # use_reduction laid the buckets out
         self._params.adopt(engine.buckets, self._layout)
         self._buckets = engine.buckets
         self._load_piece_state({})
@@ -169,7 +169,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -317,7 +317,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 # layout at a time.
                 self._shards.release()
                 self._buckets = self._engine.buckets
-                old, new = self._layout, self._reduction.layout
+                old, new = self._layout, cast(ShardLayout, self._reduction.layout)  # laid out anew
                 self._params.adopt(self._engine.buckets, new)
                 self._layout, self._order = new, None
                 self._load_piece_state(exchange(state, old, new, self._group, self._engine.buckets.device))

@@ -44,7 +44,8 @@ class StaleGuard(ScopedMode):
     def __init__(self, gathers: Gathers) -> None:
         super().__init__()
         self.gathers = weakref.ref(gathers)  # weakly: a guard left on the stack keeps no optimizer alive
-        self.watched: dict[int, int] = {}  # storage address -> bucket, for the buckets still in flight
+        # storage address -> bucket, for the buckets still in flight (storage_key's None never among them)
+        self.watched: dict[int | None, int] = {}
         self.waits = 0  # buckets waited for because an operator touched them (what the guard prevented)
 
     @property
@@ -54,14 +55,14 @@ class StaleGuard(ScopedMode):
         gathers = self.gathers()
         return not self.watched or gathers is None or gathers.settled()
 
-    def arm(self, watched: dict[int, int]) -> bool:
+    def arm(self, watched: dict[int | None, int]) -> bool:
         """Watch these buckets' storages; False where the mode cannot be pushed (the caller waits instead)."""
         if not watched or not self.push():
             return False
         self.watched = dict(watched)
         return True
 
-    def forget(self, key: int) -> None:
+    def forget(self, key: int | None) -> None:
         """That storage's gather was waited for; off the stack when none is left (where it can leave now)."""
         self.watched.pop(key, None)
         if not self.watched:

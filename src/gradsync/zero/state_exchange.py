@@ -16,6 +16,7 @@ is the parameter's, the same in every piece of it. So
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -133,7 +134,7 @@ def exchange(
 
 
 def gather_full(
-    state: PieceState, layout: ShardLayout, params: list[torch.Tensor], group: dist.ProcessGroup
+    state: PieceState, layout: ShardLayout, params: Sequence[torch.Tensor], group: dist.ProcessGroup
 ) -> dict[int, dict[str, Any]]:
     """torch's per-parameter state (engine index -> {key: value}), full tensors, on every rank."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -161,7 +162,9 @@ def gather_full(
     return full
 
 
-def pieces_from_full(full: dict[int, dict[str, Any]], pieces: list[Piece], params: list[torch.Tensor]) -> PieceState:
+def pieces_from_full(
+    full: dict[int, dict[str, Any]], pieces: list[Piece], params: Sequence[torch.Tensor]
+) -> PieceState:
     """This rank's pieces of torch's per-parameter state (no collective)."""
     state: PieceState = {}
     for piece in pieces:
