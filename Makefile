@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-elastic etcd test lint bench clean
+.PHONY: demo demo-elastic etcd test lint typecheck bench clean
 
 $(STAMP): pyproject.toml Makefile constraints-dev.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -34,18 +34,23 @@ etcd:
 	else { echo "apt-get download etcd-server + dpkg -x failed:"; tail -n 3 .etcd/fetch.log; } >.etcd/unavailable; \
 	     echo "etcd unavailable, the etcd tests will skip: $$(tr '\n' ' ' <.etcd/unavailable)"; fi
 
-# The import contracts of docs/architecture.md first (a second), then the tests (etcd's need `make etcd`).
-test: $(STAMP) etcd
+# The types (typecheck) first, then the import contracts of docs/architecture.md (a second), then the tests
+# (etcd's need `make etcd`).
+test: $(STAMP) etcd typecheck
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
-lint: $(STAMP)
+lint: $(STAMP) typecheck
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src
 	$(VENV)/bin/lint-imports
+
+# mypy, strict, over src/gradsync and tests/typing (pyproject.toml [tool.mypy]; why mypy: README "Type checking").
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) -m benchmarks iteration
 
 clean:
-	rm -rf $(VENV) .etcd build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .etcd build *.egg-info src/*.egg-info .mypy_cache
