@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-elastic etcd test lint typecheck bench clean
+.PHONY: demo demo-elastic etcd test lint typecheck wheel-check bench clean
 
 $(STAMP): pyproject.toml Makefile constraints-dev.txt setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +34,9 @@ etcd:
 	else { echo "apt-get download etcd-server + dpkg -x failed:"; tail -n 3 .etcd/fetch.log; } >.etcd/unavailable; \
 	     echo "etcd unavailable, the etcd tests will skip: $$(tr '\n' ' ' <.etcd/unavailable)"; fi
 
-# The types (typecheck) first, then the import contracts of docs/architecture.md (a second), then the tests
-# (etcd's need `make etcd`).
-test: $(STAMP) etcd typecheck
+# The types (typecheck) and the wheel as users install it (wheel-check) first, then the import contracts of
+# docs/architecture.md (a second), then the tests (etcd's need `make etcd`).
+test: $(STAMP) etcd typecheck wheel-check
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
@@ -48,6 +48,12 @@ lint: $(STAMP) typecheck
 # mypy, strict, over src/gradsync and tests/typing (pyproject.toml [tool.mypy]; why mypy: README "Type checking").
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+
+# gradsync as users get it: the sdist and the wheel built and checked, installed with every extra into a fresh
+# venv outside the checkout, and run there: the demo, GRADSYNC_INSTALL=1, python -m gradsync.run, DiLoCo, the
+# fault-tolerant mode, mypy on a user's script (tests/wheel/check_wheel.py). Its mypy reuses typecheck's cache.
+wheel-check: $(STAMP)
+	$(PY) tests/wheel/check_wheel.py --python $(PYTHON)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks iteration
