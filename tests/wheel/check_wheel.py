@@ -15,6 +15,7 @@ runs, from a directory outside the checkout so that nothing resolves to src/:
 - diloco_round.py: two DiLoCo outer steps over 2 processes;
 - fault_tolerant_round.py: a store from ``python -m gradsync.elastic.store`` and two replicas,
   FaultTolerant over DDP and FaultTolerantDiLoCo;
+- tests/typing/user_script.py, the typed user's script, in a world of one process;
 - mypy over tests/typing against the installed wheel (user_script.py clean, rejected.py's errors
   reported), which finds gradsync's hints only through the wheel's py.typed.
 
@@ -29,6 +30,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -68,15 +70,19 @@ class Checks:
         self, what: str, command: Sequence[str], expect: Sequence[str] = (), timeout_s: float = 180, **env: str
     ) -> str:
         started = time.monotonic()
-        done = subprocess.run(
-            [str(c) for c in command], cwd=self.work, env={**self.env, **env}, capture_output=True, text=True,
-            timeout=timeout_s,
+        process = subprocess.Popen(
+            [str(c) for c in command], cwd=self.work, env={**self.env, **env}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )  # fmt: skip
-        output = done.stdout + done.stderr
+        try:
+            output = process.communicate(timeout=timeout_s)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # torchrun's workers too
+            output = process.communicate()[0] + f"\n(killed after {timeout_s:.0f}s)"
         lacking = [e for e in expect if e not in output]
-        if done.returncode != 0 or lacking:
+        if process.returncode != 0 or lacking:
             sys.stderr.write(f"---- {what}\n{output[-6000:]}\n")
-            raise CheckFailed(f"{what} failed (exit {done.returncode}; lacking {lacking}): {command}")
+            raise CheckFailed(f"{what} failed (exit {process.returncode}; lacking {lacking}): {command}")
         self.timed(what, started)
         return output
 
