@@ -25,7 +25,7 @@ HEARTBEAT_S = 1.5  # the worker's heartbeat_timeout_s
 STEPS = 16
 
 
-def run_islands(job: IslandJob, sizes: tuple[int, int], fault: str, victim: int = 1) -> list[dict]:
+def run_islands(job: IslandJob, sizes: tuple[int, int], fault: str, victim: int) -> list[dict]:
     """Islands A (slot 0) and B (slot 1); B's member ``victim`` meets ``fault`` in its first incarnation."""
     job.start_island("A", 0, sizes[0])
     job.wait_arrivals(sizes[0])
@@ -53,9 +53,11 @@ def check_islands(job: IslandJob, results: list[dict], dead_at: int, lost_rank: 
 
 
 @pytest.mark.parametrize(
+    # H = 4. F = 2: outer step 3 syncs fragment 1. Streaming (delay 1, F = 2): fragment k % 2's exchange starts
+    # after inner step 2 (k + 1) and lands one step later; "inner:10" kills with outer step 4's in flight.
     "fault, dead_at, fragments, delay",
-    [(f"inner:{2 * H + 1}", 2, 1, 0), ("gather:2", 2, 1, 0)],
-    ids=["inner", "island-gather"],
+    [(f"inner:{2 * H + 1}", 2, 1, 0), ("exchange:3", 3, 2, 0), ("inner:10", 4, 2, 1), ("gather:2", 2, 1, 0)],
+    ids=["inner", "exchange-2-fragments", "streaming-in-flight", "island-gather"],
 )
 def test_a_member_dies_its_island_restarts_the_other_loses_nothing(
     fault: str, dead_at: int, fragments: int, delay: int, tmp_path: Path
@@ -64,7 +66,7 @@ def test_a_member_dies_its_island_restarts_the_other_loses_nothing(
         tmp_path, f"islands-{fault.replace(':', '-')}", None, replicas=2, sync_every=H, steps=STEPS,
         await_joiner="", fragments=fragments, delay=delay,
     )  # fmt: skip
-    results = run_islands(job, (2, 2), fault)
+    results = run_islands(job, (2, 2), fault, victim=1)
     check_islands(job, results, dead_at, lost_rank=1)
     if fault.startswith("inner"):
         # Negative control: the replay told that the cut-off step averaged both islands (the dead island's
@@ -104,3 +106,11 @@ def test_a_hung_member_ends_its_island_within_the_heartbeat_timeout(tmp_path: Pa
     island_a = next(r["uuid"] for r in job.results() if r["name"].startswith("A-"))
     assert all(island_a in c for c in logs.commits.values()) and logs.commits[2] == [island_a], logs.commits
     check_bitwise(tmp_path, [r for r in job.results() if r["member"] == 0])
+
+
+def test_unequal_islands_on_etcd(etcd_cluster, tmp_path: Path) -> None:  # noqa: F811
+    """Islands of 1 and 2 (one slice across; B's second member has no counterpart) around etcd: B's member 0
+    dies between its two all-to-alls across; B restarts and is healed from A, a replica of another size."""
+    job = IslandJob(tmp_path, "islands-unequal", etcd_cluster, replicas=2, sync_every=H, steps=STEPS, await_joiner="")
+    results = run_islands(job, (1, 2), "exchange:2", victim=0)
+    check_islands(job, results, dead_at=2, lost_rank=0)
