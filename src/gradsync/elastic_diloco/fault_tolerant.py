@@ -337,6 +337,13 @@ def _check_island_options(
 ) -> None:
     if island is None:
         return
+    if hasattr(inner, "describe_lost_shards"):  # gradsync.zero.ShardedOptimizer (elastic cannot name the class)
+        raise ValueError(
+            f"FaultTolerantDiLoCo over islands (rank {dist.get_rank()}) does not take a gradsync.zero.ShardedOptimizer "
+            "yet: each generation rebuilds the island's DDP over a new group, and moving the optimizer's shards (and "
+            "healing a restarted island member by member) is not built. Use a plain inner optimizer inside the "
+            "island here, or gradsync.diloco.DiLoCo (no fault tolerance) for ZeRO inside islands."
+        )
     if error_feedback:
         raise ValueError(
             f"FaultTolerantDiLoCo over islands (rank {dist.get_rank()}) does not take error_feedback=True: each island "
