@@ -79,6 +79,11 @@ class ElasticJob:
 
     def finish(self, names: list[str], timeout_s: float) -> list[dict]:
         """Wait for ``names`` to end well; kill everything on a timeout. Their results."""
+        self.wait_well(names, timeout_s)
+        return [json.loads((self.out / f"{n}.json").read_text()) for n in names]
+
+    def wait_well(self, names: list[str], timeout_s: float) -> None:
+        """Wait for the processes ``names`` to exit 0 (else fail with their logs); then kill everything."""
         deadline = time.monotonic() + timeout_s
         try:
             for name in names:
@@ -89,7 +94,6 @@ class ElasticJob:
             raise AssertionError(f"the job did not finish within {timeout_s}s:\n{logs}") from None
         finally:
             self.kill_all()
-        return [json.loads((self.out / f"{n}.json").read_text()) for n in names]
 
     def log(self, name: str) -> str:
         return (self.out / f"{name}.log").read_text()

@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -44,16 +43,7 @@ class IslandJob(DiLoCoJob):
 
     def finish_islands(self, names: list[str], timeout_s: float) -> list[dict]:
         """Wait for the islands' torchruns to end well (a restart inside is theirs); every process's result."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            for name in names:
-                code = self.procs[name].wait(timeout=max(0.1, deadline - time.monotonic()))
-                assert code == 0, f"island {name} exited with {code}:\n{self.log(name)[-6000:]}"
-        except subprocess.TimeoutExpired:
-            logs = "\n".join(f"--- {n}\n{self.log(n)[-4000:]}" for n in self.procs)
-            raise AssertionError(f"the islands did not finish within {timeout_s}s:\n{logs}") from None
-        finally:
-            self.kill_all()
+        self.wait_well(names, timeout_s)  # torchrun exits 0 once its workers did, after any restart
         return self.results()
 
 
