@@ -32,6 +32,7 @@ TORCHRUN, LAUNCHER, SINGLE = "2 ranks under torchrun", "launcher: starts its own
 STUDIES: dict[str, tuple[str, bool, str]] = {
     "iteration": (TORCHRUN, False, ""),
     "suite": (TORCHRUN, True, ""),
+    "sweep": (TORCHRUN, True, ""),
     "scaling": (LAUNCHER, True, ""),
     "hooks": (TORCHRUN, True, ""),
     "ab": (TORCHRUN, True, " --before REV --label NAME"),
