@@ -42,9 +42,10 @@ def check_model(model: Any) -> None:
         raise ValueError(f"DiLoCo's model has no parameters (rank {rank}).")
 
 
-def check_inner_optimizer(model: nn.Module, inner: Any) -> None:
+def check_inner_optimizer(model: nn.Module, inner: Any, island_known: bool = False) -> None:
+    """``island_known``: the caller holds the island's DDP and passes its module (gradsync.elastic_diloco)."""
     rank = dist.get_rank()
-    if _from(inner, "gradsync.zero") and not isinstance(model, DataParallelWrapper):
+    if _from(inner, "gradsync.zero") and not isinstance(model, DataParallelWrapper) and not island_known:
         raise ValueError(
             f"DiLoCo with gradsync.zero's ShardedOptimizer as the inner optimizer needs the island's gradsync "
             f"DistributedDataParallel as its model (rank {rank}): the optimizer shards over that DDP's group. Pass "

@@ -89,9 +89,11 @@ class DiLoCo:
         merge: str = "mix",
         error_feedback: bool = False,
         buffers: str = "average",
+        islands_wired_by_caller: bool = False,
     ) -> None:
         checks.check_model(model)
-        checks.check_inner_optimizer(model, inner_optimizer)
+        # gradsync.elastic_diloco passes the island DDP's module and rewires the island every generation itself
+        checks.check_inner_optimizer(model, inner_optimizer, island_known=islands_wired_by_caller)
         checks.check_knobs(alpha, merge, outer_optimizer)
         checks.check_error_feedback(error_feedback, wire)
         self.schedule = Schedule.checked(sync_every, checks.fragment_count(fragments), delay)
