@@ -13,15 +13,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from benchmarks.lib.common import TORCH_DDP
 from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync import hooks
 from gradsync.naive import NaiveDataParallel
 
 Cap = Any  # MiB as a number, "auto", or (first bucket's MiB, the others' MiB)
 
 DESCRIPTIONS = {
-    "gradsync": "gradsync DDP, default arguments (25 MiB buckets, 1 MiB first bucket)",
+    "gradsync": "gradsync DDP, default arguments (torch's caps, 1 MiB then 25 MiB; eight buckets for a model of "
+    "512 KiB or more when a probe finds its collectives wait on a link)",
     "gradsync_best": "gradsync DDP, gradient_as_bucket_view=True and the best bucket_cap_mb of the sweep",
     "gradsync_fused": "gradsync_best's settings, and the SGD step of each bucket run as its all-reduce completes "
     "(ddp._register_fused_optim)",
@@ -33,6 +36,20 @@ DESCRIPTIONS = {
     "no overlap and no buffer broadcast (the floor for a reducer whose communication cannot overlap compute)",
 }
 CONTENDERS = tuple(DESCRIPTIONS)
+
+# The sweep's further contenders (studies/sweep.py): every one at the arguments a user gets, except that
+# both PowerSGD hooks compress from iteration 2 (torch's default waits 1000 iterations).
+TORCH_ONE_BUCKET_MB = 1024  # torch's powerSGD_hook deadlocks on gloo with several buckets (hooks.py's Note)
+SWEEP_DESCRIPTIONS = {
+    "gradsync_auto": 'gradsync DDP, bucket_cap_mb="auto" (bucket sizes from a latency/bandwidth probe at construction)',
+    "gradsync_powersgd_r1": "gradsync DDP (default buckets) + gradsync.hooks.powersgd_hook, rank 1, start_iter=2",
+    "gradsync_powersgd_r4": "gradsync DDP (default buckets) + gradsync.hooks.powersgd_hook, rank 4, start_iter=2",
+    "torch_powersgd_r1": f"torch DDP + torch's powerSGD_hook, rank 1, start_powerSGD_iter=2, one bucket "
+    f"(bucket_cap_mb={TORCH_ONE_BUCKET_MB}: with several it deadlocks on gloo)",
+    "torch_powersgd_r4": "torch DDP + torch's powerSGD_hook, rank 4, start_powerSGD_iter=2, one bucket",
+    "gradsync_int8": "gradsync DDP (default buckets) + gradsync.hooks.int8_hook (int8 with one scale per bucket, "
+    "error feedback)",
+}
 
 
 def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Callable[[], None] | None]:
@@ -52,7 +69,30 @@ def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Cal
         return naive, naive.average_gradients
     if name == "one_allreduce":
         return module, OneAllReduce(module)
-    raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS}")
+    if name in SWEEP_DESCRIPTIONS:
+        return build_hooked(name, module), None
+    raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS + tuple(SWEEP_DESCRIPTIONS)}")
+
+
+def build_hooked(name: str, module: nn.Module) -> nn.Module:
+    """One of ``SWEEP_DESCRIPTIONS``: "auto" caps, or a DDP with a compressing comm hook."""
+    if name == "gradsync_auto":
+        return GradsyncDDP(module, bucket_cap_mb="auto")
+    if name == "gradsync_int8":
+        ddp = GradsyncDDP(module)
+        ddp.register_comm_hook(hooks.Int8State(None), hooks.int8_hook)
+        return ddp
+    rank = int(name.rsplit("_r", 1)[1])
+    if name.startswith("gradsync_powersgd"):
+        ddp = GradsyncDDP(module)
+        ddp.register_comm_hook(
+            hooks.PowerSGDState(None, matrix_approximation_rank=rank, start_iter=2), hooks.powersgd_hook
+        )
+        return ddp
+    torch_ddp = TORCH_DDP(module, bucket_cap_mb=TORCH_ONE_BUCKET_MB)
+    state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+    torch_ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return torch_ddp
 
 
 def optimizer(name: str, model: nn.Module, lr: float, momentum: float) -> Any:

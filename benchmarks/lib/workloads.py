@@ -68,27 +68,33 @@ class BasicBlock(nn.Module):
 
 
 class SmallResNet(nn.Module):
-    """A ResNet-style CNN for 32x32 images: 16 -> 32 -> 64 channels, two blocks per stage."""
+    """A ResNet-style CNN for 32x32 images: 16 -> 32 -> 64 channels (``width`` times that), two blocks per stage."""
 
-    def __init__(self, classes: int = 10) -> None:
+    def __init__(self, classes: int = 10, width: int = 1) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        c_in = 16 * width
+        self.stem = nn.Sequential(nn.Conv2d(3, c_in, 3, padding=1, bias=False), nn.BatchNorm2d(c_in), nn.ReLU())
         stages = []
-        c_in = 16
-        for c_out, stride in ((16, 1), (32, 2), (64, 2)):
+        for c_out, stride in ((16 * width, 1), (32 * width, 2), (64 * width, 2)):
             stages += [BasicBlock(c_in, c_out, stride), BasicBlock(c_out, c_out, 1)]
             c_in = c_out
         self.stages = nn.Sequential(*stages)
-        self.head = nn.Linear(64, classes)
+        self.head = nn.Linear(c_in, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.stages(self.stem(x)).mean(dim=(2, 3)))
 
 
 class TinyGPT(nn.Module):
-    """A GPT-style decoder: token + position embeddings, pre-norm causal blocks, LM head."""
+    """A GPT-style decoder: token + position embeddings, pre-norm causal blocks, LM head.
 
-    def __init__(self, vocab: int = 2048, d_model: int = 256, layers: int = 4, heads: int = 4, seq: int = 128):
+    ``tied``: the LM head shares the token embedding's weight (GPT-2's layout), so the vocabulary's
+    gradient is one tensor, ready only after backward has gone through the whole model.
+    """
+
+    def __init__(
+        self, vocab: int = 2048, d_model: int = 256, layers: int = 4, heads: int = 4, seq: int = 128, tied: bool = False
+    ):
         super().__init__()
         self.tokens = nn.Embedding(vocab, d_model)
         self.positions = nn.Embedding(seq, d_model)
@@ -98,6 +104,11 @@ class TinyGPT(nn.Module):
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
+        if tied:
+            # GPT-2's init: with nn.Embedding's N(0, 1) the shared weight makes logits so large that the
+            # softmax's gradients turn denormal, and CPU float math on denormals is ~10x slower.
+            nn.init.normal_(self.tokens.weight, std=0.02)
+            self.head.weight = self.tokens.weight
         self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,229 @@
+"""The sweep's report: targets, distributions, the chart of ratio against compute per byte, per-shape tables.
+
+Rank 0 calls ``write`` once every shape is measured (studies/sweep.py); the arithmetic is in
+sweep_stats.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.lib import contenders, sweep_stats
+from benchmarks.lib.common import MachineLoad, environment_lines, loadavg, mib, report_path, today
+from benchmarks.lib.sweep_stats import FORWARD, NO_COMM, RAW, Interval
+
+FIRST_GRADIENT = "to_first_gradient"  # suite.py's contender of the same name
+EXACT = ("gradsync", "gradsync_auto", "torch_ddp")
+GRADSYNC_HOOKS = ("gradsync_powersgd_r1", "gradsync_powersgd_r4", "gradsync_int8")
+TORCH_HOOKS = ("torch_powersgd_r1", "torch_powersgd_r4")
+HOOKS = (*GRADSYNC_HOOKS, *TORCH_HOOKS)
+CONTENDERS = (NO_COMM, *EXACT, *HOOKS)
+DESCRIPTIONS = {**contenders.DESCRIPTIONS, **contenders.SWEEP_DESCRIPTIONS}
+
+
+@dataclass
+class ShapeResult:
+    name: str
+    description: str
+    tensors: int
+    params: int
+    nbytes: int
+    iters: int
+    samples: dict[str, list[float]]
+    # gradsync's defaults, from ddp.stats() over the timed iterations (slowest rank): buckets, comm, exposed comm.
+    buckets: int = 0
+    comm_s: float = 0.0
+    exposed_s: float = 0.0
+    other_cores: float = 0.0  # CPU other processes used while this shape was measured
+
+    def median_ms(self, name: str) -> float:
+        return statistics.median(self.samples[name]) * 1e3
+
+    def compute_per_byte(self) -> float:
+        """The no-communication step's median, ms per MiB of gradients."""
+        return self.median_ms(NO_COMM) / (self.nbytes / 2**20)
+
+    def bound_ms(self) -> float:
+        return max(self.median_ms(NO_COMM), self.median_ms(FORWARD) + self.median_ms(RAW))
+
+    def to_bound(self, name: str) -> Interval:
+        return sweep_stats.to_bound(self.samples, name, self.iters)
+
+    def to(self, name: str, reference: str) -> Interval:
+        return sweep_stats.to_reference(self.samples, name, reference, self.iters)
+
+
+def _ci(interval: Interval) -> str:
+    ratio, low, high = interval
+    return f"{ratio:.2f} [{low:.2f}, {high:.2f}]"
+
+
+# ---------------------------------------------------------------------- sections
+def targets(results: list[ShapeResult]) -> list[str]:
+    exact = {r.name: r.to_bound("gradsync")[0] for r in results}
+    hook_ratios = {h: {r.name: r.to(h, NO_COMM)[0] for r in results} for h in GRADSYNC_HOOKS}
+    found = [
+        *sweep_stats.exact_targets(exact),
+        sweep_stats.not_slower({r.name: r.to("gradsync", "torch_ddp") for r in results}),
+        sweep_stats.hook_target(hook_ratios),
+        *(
+            sweep_stats.faster_than_torch(
+                rank, {r.name: r.to(f"gradsync_powersgd_r{rank}", f"torch_powersgd_r{rank}") for r in results}
+            )
+            for rank in (1, 4)
+        ),
+    ]
+    lines = ["| target | measured | result |", "|---|---|:---:|"]
+    lines += [f"| {t.what} | {t.measured} | {'pass' if t.passed else '**fail**'} |" for t in found]
+    return lines
+
+
+def distributions(results: list[ShapeResult]) -> list[str]:
+    lines = [
+        "| contender | / bound: median | p90 | worst (shape) | / no_comm: median | p90 | worst (shape) |",
+        "|---|---:|---:|---|---:|---:|---|",
+    ]
+    for name in (*EXACT, *HOOKS):
+        b = sweep_stats.distribution({r.name: r.to_bound(name)[0] for r in results})
+        f = sweep_stats.distribution({r.name: r.to(name, NO_COMM)[0] for r in results})
+        lines.append(
+            f"| {name} | {b.median:.3f} | {b.p90:.3f} | {b.worst:.3f} ({b.worst_shape}) "
+            f"| {f.median:.3f} | {f.p90:.3f} | {f.worst:.3f} ({f.worst_shape}) |"
+        )
+    return lines
+
+
+def shape_table(results: list[ShapeResult]) -> list[str]:
+    lines = [
+        "| shape | tensors | M params | grad MiB | no_comm ms | compute / byte ms/MiB | forward ms "
+        "| flat all-reduce ms | to first gradient ms | bound ms | gradsync buckets | gradsync comm ms "
+        "| gradsync exposed comm ms | other cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.name} | {r.tensors} | {r.params / 1e6:.2f} | {mib(r.nbytes)} | {r.median_ms(NO_COMM):.1f} "
+            f"| {r.compute_per_byte():.2f} | {r.median_ms(FORWARD):.1f} | {r.median_ms(RAW):.1f} "
+            f"| {r.median_ms(FIRST_GRADIENT):.1f} | {r.bound_ms():.1f} | {r.buckets} | {r.comm_s * 1e3:.1f} "
+            f"| {r.exposed_s * 1e3:.1f} | {r.other_cores:.2f} |"
+        )
+    return lines
+
+
+def exact_table(results: list[ShapeResult]) -> list[str]:
+    lines = [
+        "| shape | compute / byte | gradsync / bound | auto / bound | torch_ddp / bound | gradsync / torch_ddp "
+        "| gradsync ms | torch_ddp ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        cells = " | ".join(_ci(r.to_bound(name)) for name in EXACT)
+        lines.append(
+            f"| {r.name} | {r.compute_per_byte():.2f} | {cells} | {_ci(r.to('gradsync', 'torch_ddp'))} "
+            f"| {r.median_ms('gradsync'):.1f} | {r.median_ms('torch_ddp'):.1f} |"
+        )
+    return lines
+
+
+def hook_table(results: list[ShapeResult]) -> list[str]:
+    lines = [
+        "| shape | compute / byte | " + " | ".join(f"{h} / no_comm" for h in HOOKS) + " | gradsync / torch r=1 "
+        "| gradsync / torch r=4 |",
+        "|---|---:|" + "---:|" * (len(HOOKS) + 2),
+    ]
+    for r in results:
+        cells = " | ".join(_ci(r.to(h, NO_COMM)) for h in HOOKS)
+        versus = " | ".join(_ci(r.to(f"gradsync_powersgd_r{k}", f"torch_powersgd_r{k}")) for k in (1, 4))
+        lines.append(f"| {r.name} | {r.compute_per_byte():.2f} | {cells} | {versus} |")
+    return lines
+
+
+# ---------------------------------------------------------------------- chart
+def write_chart(results: list[ShapeResult], path: Path, link_text: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r.compute_per_byte() for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), sharex=True)
+    for name, marker in zip(EXACT, "oDs"):
+        left.scatter(x, [r.to_bound(name)[0] for r in results], marker=marker, label=name, alpha=0.8)
+    for limit, style in ((1.05, ":"), (1.08, "--"), (1.12, "-.")):
+        left.axhline(limit, color="grey", linestyle=style, linewidth=0.8)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_ylabel("median step / bound max(no_comm, forward + flat all-reduce)")
+    left.set_title("exact reducers (grey: targets 1.05 median, 1.08 p90, 1.12 worst)")
+    for name, marker in zip(HOOKS, "o^sv*"):
+        right.scatter(x, [r.to(name, NO_COMM)[0] for r in results], marker=marker, label=name, alpha=0.8)
+    right.axhline(1.15, color="grey", linestyle=":", linewidth=0.8)
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set_ylabel("median step / no communication")
+    right.set_title("compressing hooks (grey: target 1.15 at the median)")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel("compute per byte: no-communication step ms per MiB of gradients (log)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"sweep over {len(results)} shapes, 2 ranks, gloo on CPU, {link_text} ({today()})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------- the report
+def write(results: list[ShapeResult], load: MachineLoad, args: Any, command: str) -> Path:
+    results = sorted(results, key=lambda r: r.compute_per_byte())
+    kind = f"sweep-{args.label}" if args.label else "sweep"
+    chart = report_path(kind, "png")
+    link_text = (args.link or "plain loopback").replace("gbit", " Gbit/s")
+    lines = [f"# Sweep: {len(results)} model shapes against the bound ({today()})", "", *environment_lines(command)]
+    lines += [
+        f"- machine load: {load.describe()}; at the report's writing {loadavg()}. **Other agents' jobs (tests, "
+        "benchmarks) shared the 2 cores during this run**: the numbers were taken under load; the last column of "
+        "the shape table is each shape's share",
+        f"- per shape: {args.warmup} warm-up iterations per contender, then {args.rounds} rounds x {args.iters} "
+        "iterations, contenders interleaved, the starting one rotating each round; time = slowest rank's",
+        "- iteration = zero_grad(set_to_none=True), forward, loss, backward, SGD step (lr 1e-3, momentum 0.9)",
+        "- ratios: median over rounds of each round's median ratio, [90% percentile-bootstrap interval over "
+        "rounds]; to the bound: each round's `max(no_comm, forward_only + raw_allreduce)` "
+        "([Note: the bound, per round] in lib/sweep_stats.py)",
+        "- compute per byte: the no-communication step's median ms per MiB of fp32 gradients, measured here",
+        "- distributions (median, p90 by linear interpolation, worst) are over the shapes' median ratios",
+        "",
+        "Contenders (no setting chosen per shape):",
+        "",
+        *[f"- `{name}`: {DESCRIPTIONS[name]}" for name in CONTENDERS],
+        f"- `{FORWARD}`, `{RAW}`, `{FIRST_GRADIENT}`: the suite's parts of the bound (benchmarks/README.md)",
+        "",
+        "## Targets (issue #46), on this run",
+        "",
+        *targets(results),
+        "",
+        "## Distribution over shapes",
+        "",
+        f"![ratio against compute per byte]({chart.name})",
+        "",
+        *distributions(results),
+        "",
+        "## Shapes (sorted by compute per byte)",
+        "",
+        *shape_table(results),
+        "",
+        "Descriptions: " + "; ".join(f"`{r.name}`: {r.description}" for r in results),
+        "",
+        "## Exact reducers per shape",
+        "",
+        *exact_table(results),
+        "",
+        "## Compressing hooks per shape",
+        "",
+        *hook_table(results),
+        "",
+    ]
+    write_chart(results, chart, link_text)
+    path = report_path(kind)
+    path.write_text("\n".join(lines))
+    return path

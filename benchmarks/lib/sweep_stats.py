@@ -1,0 +1,114 @@
+"""The sweep's arithmetic: the per-round bound, the distribution over shapes, and issue #46's targets.
+
+Pure functions of the timed samples (no process group), so tests can check them by hand.
+
+[Note: the bound, per round]
+An exact reducer's step takes at least ``max(no_comm, forward + one flat all-reduce)``
+(suite.py's ``bound_lines``). The sweep takes it per round, from the medians of the three
+contenders' blocks in that round, so a contender's ratio to it is a paired ratio like any other
+(lib/common.py's ``paired_ratio``): drift between rounds cancels, and the 90% interval is a
+bootstrap over rounds. ``bound_series`` repeats each round's bound ``iters`` times, so it can stand
+in wherever a contender's samples go.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from benchmarks.lib.common import paired_ratio
+
+NO_COMM, FORWARD, RAW = "no_comm", "forward_only", "raw_allreduce"
+Samples = dict[str, list[float]]
+Interval = tuple[float, float, float]  # (median over rounds, low, high) of per-round ratios
+
+# Issue #46's targets: gradsync's defaults over the bound, and its best compressing hook over no_comm.
+EXACT_TARGETS = {"median": 1.05, "p90": 1.08, "worst": 1.12}
+HOOK_MEDIAN_TARGET = 1.15
+
+
+def bound_series(samples: Samples, iters: int) -> list[float]:
+    """Each round's ``max(no_comm, forward + flat all-reduce)``, ``iters`` times ([Note: the bound, per round])."""
+    rounds = len(samples[NO_COMM]) // iters
+    series: list[float] = []
+    for r in range(rounds):
+        part = slice(r * iters, (r + 1) * iters)
+        floor = statistics.median(samples[NO_COMM][part])
+        overlap_limit = statistics.median(samples[FORWARD][part]) + statistics.median(samples[RAW][part])
+        series += [max(floor, overlap_limit)] * iters
+    return series
+
+
+def to_bound(samples: Samples, name: str, iters: int) -> Interval:
+    return paired_ratio(samples[name], bound_series(samples, iters), iters)
+
+
+def to_reference(samples: Samples, name: str, reference: str, iters: int) -> Interval:
+    return paired_ratio(samples[name], samples[reference], iters)
+
+
+@dataclass(frozen=True)
+class Distribution:
+    median: float
+    p90: float
+    worst: float
+    worst_shape: str
+
+
+def distribution(per_shape: dict[str, float]) -> Distribution:
+    """Median, 90th percentile (linear interpolation between order statistics) and maximum over shapes."""
+    values = sorted(per_shape.values())
+    p90 = statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
+    worst = max(per_shape, key=lambda shape: per_shape[shape])
+    return Distribution(statistics.median(values), p90, per_shape[worst], worst)
+
+
+@dataclass(frozen=True)
+class Target:
+    what: str
+    passed: bool
+    measured: str
+
+
+def exact_targets(ratios: dict[str, float]) -> list[Target]:
+    """gradsync's defaults over the bound: median, p90 and worst against EXACT_TARGETS."""
+    d = distribution(ratios)
+    found = {"median": d.median, "p90": d.p90, "worst": d.worst}
+    return [
+        Target(f"gradsync defaults / bound, {key} <= {limit:.2f}", found[key] <= limit, f"{found[key]:.3f}")
+        for key, limit in EXACT_TARGETS.items()
+    ]
+
+
+def not_slower(vs_torch: dict[str, Interval]) -> Target:
+    """No shape where the interval of gradsync / torch DDP lies wholly above 1."""
+    slower = sorted(shape for shape, (_, low, _) in vs_torch.items() if low > 1.0)
+    text = "on every shape" if not slower else f"slower on {len(slower)}: " + ", ".join(slower)
+    return Target("gradsync defaults no slower than torch DDP on any shape (90% interval)", not slower, text)
+
+
+def best_hook(hook_ratios: dict[str, dict[str, float]]) -> tuple[str, Distribution]:
+    """The gradsync hook with the lowest median (over shapes) of its ratio to no_comm."""
+    dists = {hook: distribution(per_shape) for hook, per_shape in hook_ratios.items()}
+    best = min(dists, key=lambda hook: dists[hook].median)
+    return best, dists[best]
+
+
+def hook_target(hook_ratios: dict[str, dict[str, float]]) -> Target:
+    hook, d = best_hook(hook_ratios)
+    limit = HOOK_MEDIAN_TARGET
+    return Target(
+        f"gradsync's best hook / no_comm, median <= {limit:.2f}", d.median <= limit, f"{hook}: {d.median:.3f}"
+    )
+
+
+def faster_than_torch(rank: int, vs_torch: dict[str, Interval]) -> Target:
+    """gradsync's PowerSGD faster than torch's at the same rank on every shape (per-round median ratio < 1)."""
+    slower = sorted(shape for shape, (ratio, _, _) in vs_torch.items() if ratio >= 1.0)
+    clear = sum(1 for _, _, high in vs_torch.values() if high < 1.0)
+    text = f"faster on {len(vs_torch) - len(slower)} of {len(vs_torch)} ({clear} with the whole interval below 1)"
+    if slower:
+        text += "; not on " + ", ".join(slower)
+    return Target(
+        f"gradsync powersgd r={rank} faster than torch's powerSGD_hook r={rank} on every shape", not slower, text
+    )
