@@ -46,6 +46,7 @@ STUDIES: dict[str, tuple[str, bool, str]] = {
     "etcd": (LAUNCHER, False, " {faults,decide,overhead,all}"),
     "diloco_task": (TORCHRUN, True, " --steps N --seeds S ..."),
     "diloco_faults": (LAUNCHER, False, " --runs 5 --stores tcp,etcd"),
+    "diloco_island_faults": (LAUNCHER, False, " --runs 5 --stores tcp,etcd"),
     "gpu_step": (SINGLE, False, ""),
     "gpu_host_profile": (SINGLE, False, ""),
     "gpu_launch_cost": (SINGLE, False, ""),
