@@ -1,0 +1,92 @@
+"""The sweep's arithmetic and shapes (benchmarks/lib/sweep_stats.py, shapes.py), single process, against hand values."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks is a package at the repository root, not installed
+
+from benchmarks.lib import shapes, sweep_stats  # noqa: E402
+from benchmarks.lib.sweep_stats import FORWARD, NO_COMM, RAW  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def two_rounds() -> dict[str, list[float]]:
+    # Round 0: forward + flat all-reduce (0.5 + 2.5 = 3) exceeds no_comm (median of 1 and 3 = 2).
+    # Round 1: no_comm (median 4) exceeds forward + flat all-reduce (1 + 2 = 3).
+    return {NO_COMM: [1.0, 3.0, 4.0, 4.0], FORWARD: [0.5, 0.5, 1.0, 1.0], RAW: [2.5, 2.5, 2.0, 2.0]}
+
+
+def test_bound_per_round_is_the_larger_of_the_two_limits() -> None:
+    assert sweep_stats.bound_series(two_rounds(), iters=2) == [3.0, 3.0, 4.0, 4.0]
+
+
+def test_ratio_to_bound_is_per_round() -> None:
+    samples = two_rounds()
+    samples["c"] = [3.3, 3.3, 4.4, 4.4]  # 1.1x each round's bound
+    ratio, low, high = sweep_stats.to_bound(samples, "c", iters=2)
+    assert ratio == pytest.approx(1.1) and low == pytest.approx(1.1) and high == pytest.approx(1.1)
+    # Negative control: against no_comm alone the same contender is 1.65x in round 0, not 1.1x.
+    samples["d"] = samples[NO_COMM]
+    assert sweep_stats.to_bound(samples, "d", iters=2)[0] < 1.0
+
+
+def test_distribution_by_hand() -> None:
+    per_shape = {f"s{k}": float(k) for k in range(1, 11)}
+    d = sweep_stats.distribution(per_shape)
+    # Inclusive quantile: position 0.9 * (10 - 1) = 8.1 between 9 and 10 (0-based 8 and 9).
+    assert (d.median, d.p90, d.worst, d.worst_shape) == (pytest.approx(5.5), pytest.approx(9.1), 10.0, "s10")
+
+
+def test_targets_pass_and_fail() -> None:
+    inside = {f"s{k}": 1.0 + k / 1000 for k in range(20)}  # all <= 1.019
+    assert all(t.passed for t in sweep_stats.exact_targets(inside))
+    outside = dict(inside, worst=1.13)
+    passed = [t.passed for t in sweep_stats.exact_targets(outside)]
+    assert passed == [True, True, False]  # median and p90 hold, the worst fails
+    assert sweep_stats.not_slower({"a": (1.02, 0.99, 1.05)}).passed
+    assert not sweep_stats.not_slower({"a": (1.02, 1.01, 1.05), "b": (0.9, 0.8, 1.0)}).passed
+    assert sweep_stats.faster_than_torch(1, {"a": (0.9, 0.8, 1.01)}).passed
+    assert not sweep_stats.faster_than_torch(1, {"a": (0.9, 0.8, 1.0), "b": (1.0, 0.9, 1.1)}).passed
+    hooks = {"h1": {"a": 1.2, "b": 1.3}, "h2": {"a": 1.1, "b": 1.14}}
+    target = sweep_stats.hook_target(hooks)
+    assert target.passed and target.measured.startswith("h2")
+
+
+def test_grid_spans_the_issue_ranges() -> None:
+    grid = shapes.GRID
+    assert len({s.name for s in grid}) == len(grid) >= 24
+    gpts = [s for s in grid if isinstance(s, shapes.GPTShape)]
+    assert {s.batch for s in gpts} == {1, 2, 4}
+    assert min(s.vocab for s in gpts) == 2048 and max(s.vocab for s in gpts) == 32768
+    assert min(s.width for s in gpts) == 128 and max(s.width for s in gpts) == 512
+    assert min(s.layers for s in gpts) == 2 and max(s.layers for s in gpts) == 8
+    assert {s.tied for s in gpts} == {True, False}
+    assert any(isinstance(s, shapes.MLPShape) for s in grid) and any(isinstance(s, shapes.ConvShape) for s in grid)
+
+
+def test_a_shape_is_a_pure_function_of_its_parameters() -> None:
+    shape = shapes.GPTShape(1, 2048, 128, 2, tied=True)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(shapes.workload(shapes.GPTShape(1, 2048, 128, 2, tied=True)).build())
+    for (name, a), (_, b) in zip(models[0].state_dict().items(), models[1].state_dict().items()):
+        assert torch.equal(a, b), name
+    batches = [shapes.workload(shape).make_batch(torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert torch.equal(batches[0][0], batches[1][0]) and batches[0][0].shape == (1, shapes.SEQ)
+
+
+def test_tied_head_shares_the_embedding() -> None:
+    torch.manual_seed(0)
+    tied = shapes.workload(shapes.GPTShape(1, 2048, 128, 2, tied=True)).build()
+    untied = shapes.workload(shapes.GPTShape(1, 2048, 128, 2, tied=False)).build()
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(untied) - count(tied) == 2048 * 128  # the head's weight, counted once when tied
+    assert tied.head.weight is tied.tokens.weight
