@@ -38,6 +38,7 @@ class ShapeResult:
     comm_s: float = 0.0
     exposed_s: float = 0.0
     other_cores: float = 0.0  # CPU other processes used while this shape was measured
+    waited_s: float = 0.0  # for a quiet machine, before measuring (lib/common.py's wait_for_quiet)
 
     def median_ms(self, name: str) -> float:
         return statistics.median(self.samples[name]) * 1e3
@@ -100,15 +101,15 @@ def shape_table(results: list[ShapeResult]) -> list[str]:
     lines = [
         "| shape | tensors | M params | grad MiB | no_comm ms | compute / byte ms/MiB | forward ms "
         "| flat all-reduce ms | to first gradient ms | bound ms | gradsync buckets | gradsync comm ms "
-        "| gradsync exposed comm ms | other cores |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| gradsync exposed comm ms | waited s | other cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         lines.append(
             f"| {r.name} | {r.tensors} | {r.params / 1e6:.2f} | {mib(r.nbytes)} | {r.median_ms(NO_COMM):.1f} "
             f"| {r.compute_per_byte():.2f} | {r.median_ms(FORWARD):.1f} | {r.median_ms(RAW):.1f} "
             f"| {r.median_ms(FIRST_GRADIENT):.1f} | {r.bound_ms():.1f} | {r.buckets} | {r.comm_s * 1e3:.1f} "
-            f"| {r.exposed_s * 1e3:.1f} | {r.other_cores:.2f} |"
+            f"| {r.exposed_s * 1e3:.1f} | {r.waited_s:.0f} | {r.other_cores:.2f} |"
         )
     return lines
 
@@ -182,8 +183,9 @@ def write(results: list[ShapeResult], load: MachineLoad, args: Any, command: str
     lines = [f"# Sweep: {len(results)} model shapes against the bound ({today()})", "", *environment_lines(command)]
     lines += [
         f"- machine load: {load.describe()}; at the report's writing {loadavg()}. **Other agents' jobs (tests, "
-        "benchmarks) shared the 2 cores during this run**: the numbers were taken under load; the last column of "
-        "the shape table is each shape's share",
+        "benchmarks) shared the 2 cores during this run**: the numbers were taken under load. Before each shape "
+        f"the sweep waited up to {args.wait_for_quiet:.0f} s for other processes to use under 0.3 cores; the shape "
+        "table's last two columns say how long it waited and how many cores others then used while it measured",
         f"- per shape: {args.warmup} warm-up iterations per contender, then {args.rounds} rounds x {args.iters} "
         "iterations, contenders interleaved, the starting one rotating each round; time = slowest rank's",
         "- iteration = zero_grad(set_to_none=True), forward, loss, backward, SGD step (lr 1e-3, momentum 0.9)",

@@ -27,14 +27,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.lib import launch, link, shapes, sweep_report
-from benchmarks.lib.common import MachineLoad, interleave
+import gradsync
+from benchmarks.lib import launch, link, shapes, sweep_report, sweep_timeline
+from benchmarks.lib.common import MachineLoad, environment_lines, interleave, report_path, today, wait_for_quiet
 from benchmarks.lib.workloads import gradient_size
 from benchmarks.studies import suite
 
@@ -84,6 +88,47 @@ def measure(shape: shapes.Shape, args: Any) -> sweep_report.ShapeResult:
     )
 
 
+def timeline(shape: shapes.Shape, args: Any) -> list[str]:
+    """gradsync's defaults on ``shape`` under ``gradsync.trace``: the summary row and the median step's buckets."""
+    workload = shapes.workload(shape)
+    batches = suite.make_batches(workload)
+    torch.manual_seed(0)
+    base = workload.build()
+    run = suite.make_contender("gradsync", workload, base, batches, None)
+    parts = [suite.raw_allreduce(gradient_size(workload)[2]), suite.forward_only(workload, base, batches)]
+    samples = interleave([run, *parts], rounds=3, iters=2, warmup=args.warmup)  # warms gradsync up, too
+    flat, forward = (statistics.median(samples[p.name]) * 1e3 for p in parts)
+    with tempfile.TemporaryDirectory() as scratch, gradsync.trace(run.model, f"{scratch}/t.json") as recorded:  # type: ignore[attr-defined]
+        for i in range(args.timeline_iters):
+            run.step(i)
+    its = sweep_timeline.iterations(recorded.events)
+    by_total = sorted(its, key=lambda it: sum(it.phases_ms.values()))
+    row = sweep_timeline.summary_row(shape.name, its, flat, forward)
+    return [row, *sweep_timeline.bucket_rows(shape.name, by_total[len(by_total) // 2])]
+
+
+def write_timelines(rows: dict[str, list[str]], load: MachineLoad, args: Any) -> Path:
+    lines = [f"# Sweep: where gradsync's step goes, per bucket ({today()})", ""]
+    lines += [*environment_lines(launch.command_line()), f"- machine load: {load.describe()}"]
+    lines += [
+        f"- gradsync at its defaults, {args.timeline_iters} steps inside `gradsync.trace` after a warm-up; times on "
+        "rank 0, medians over the steps, in ms; bucket times after backward's first gradient hook "
+        "(lib/sweep_timeline.py says what each column is)",
+        "",
+        *sweep_timeline.SUMMARY_HEADER,
+        *(r[0] for r in rows.values()),
+        "",
+        "The median step's buckets:",
+        "",
+        *sweep_timeline.BUCKET_HEADER,
+        *(line for r in rows.values() for line in r[1:]),
+        "",
+    ]
+    path = report_path("sweep-timeline")
+    path.write_text("\n".join(lines))
+    return path
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     names = [s.name for s in shapes.GRID]
@@ -91,6 +136,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="iterations per contender before timing (>= 3)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=2, help="iterations per contender per round")
+    parser.add_argument("--timeline", nargs="+", choices=names, help="instead: where the time goes on these shapes")
+    parser.add_argument("--timeline-iters", type=int, default=6, help="traced steps per --timeline shape")
+    parser.add_argument(
+        "--wait-for-quiet",
+        type=float,
+        default=30.0,
+        help="before each shape, wait up to this many seconds for other processes to use under 0.3 cores (0: never)",
+    )
     parser.add_argument("--label", default="", help="appended to the report's name: sweep-LABEL[-RATE].md")
     parser.add_argument(
         "--link",
@@ -108,10 +161,20 @@ def main() -> None:
     dist.init_process_group(backend="gloo")
     load = MachineLoad()
     load.start()
+    if args.timeline:
+        rows = {name: timeline(next(s for s in shapes.GRID if s.name == name), args) for name in args.timeline}
+        load.stop()
+        if dist.get_rank() == 0:
+            print(write_timelines(rows, load, args).read_text())
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     results = []
     for shape in (s for s in shapes.GRID if s.name in args.shapes):
+        waited = wait_for_quiet(max_wait_s=args.wait_for_quiet) if args.wait_for_quiet > 0 else 0.0
         start = time.perf_counter()
         results.append(measure(shape, args))
+        results[-1].waited_s = waited
         if dist.get_rank() == 0:
             print(f"{shape.name}: measured in {time.perf_counter() - start:.1f} s", flush=True)
     load.stop()
