@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ..diloco.outer_params import Fragment
-from ..elastic import heal
 from ..elastic.run import ElasticRun
+from .inner_state import InnerState
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +67,14 @@ class Verdict:
         )
 
 
-def health(delta: torch.Tensor, sizes: list[int], inner: torch.optim.Optimizer) -> torch.Tensor:
+def health(delta: torch.Tensor, sizes: list[int], inner: InnerState) -> torch.Tensor:
     """This process's four numbers about its outer gradient ``delta`` (parameters of ``sizes``)."""
     finite = bool(torch.isfinite(delta).all())
     first = -1
     inner_finite = True
     if not finite:
         first = next(i for i, part in enumerate(delta.split(sizes)) if not bool(torch.isfinite(part).all()))
-        inner_finite = _finite_state(inner)
+        inner_finite = inner.finite()
     norm = float(torch.linalg.vector_norm(delta.double())) if finite else float("inf")
     return torch.tensor([float(finite), norm, float(first), float(inner_finite)], dtype=torch.float64)
 
@@ -106,15 +106,6 @@ def judge(
     excluded = sorted(reasons)
     island = next(i for i, ranks in enumerate(islands) if me in ranks)
     return Verdict(excluded, reasons, parameters, reheal, len(islands) - len(excluded), island in excluded)
-
-
-def _finite_state(inner: torch.optim.Optimizer) -> bool:
-    return all(
-        bool(torch.isfinite(t).all())
-        for state in inner.state.values()
-        for t in state.values()
-        if torch.is_tensor(t) and t.is_floating_point()
-    )
 
 
 class ContributionScreen:
@@ -153,7 +144,7 @@ class ContributionScreen:
         run: ElasticRun,
         outer_step: int,
         fragments: list[Fragment],
-        inner: torch.optim.Optimizer,
+        inner: InnerState,
     ) -> None:
         """After outer step ``outer_step`` left islands out (DiLoCo applied it): name them; the excluded restart
         from theta_global, their inner optimizer healed when it is not finite; one excluded too often ends."""
@@ -186,15 +177,10 @@ class ContributionScreen:
             )
 
 
-def _reheal(verdict: Verdict, islands: list[list[int]], inner: torch.optim.Optimizer, device: torch.device) -> None:
-    """The inner optimizer's state of the first kept island's first member, loaded by the excluded islands whose
-    own is not finite (collective over the generation: every process knows the verdict)."""
+def _reheal(verdict: Verdict, islands: list[list[int]], inner: InnerState, device: torch.device) -> None:
+    """The inner optimizer's state of the first kept island, taken by the excluded islands whose own is not
+    finite (collective over the generation: every process knows the verdict)."""
     kept = [i for i in range(len(islands)) if i not in verdict.excluded]
     if not kept:
         return  # nobody to copy from: the excluded go on with theirs (the outer step had no contributor)
-    source = islands[kept[0]][0]
-    payload = inner.state_dict() if dist.get_rank() == source else None
-    state = heal.transfer(payload, source, dist.group.WORLD, device)
-    mine = next(i for i, r in enumerate(islands) if dist.get_rank() in r)
-    if mine in verdict.reheal:
-        inner.load_state_dict(state)
+    inner.copy(islands, kept[0], verdict.reheal, device)

@@ -57,6 +57,7 @@ from ..observability.divergence import fingerprint
 from ..wrapper.data_parallel import DataParallelWrapper
 from .committed_exchange import CommittedExchange, Outcome, Screening
 from .contributions import ContributionScreen, health
+from .inner_state import InnerState
 from .island_wiring import IslandWiring
 
 logger = logging.getLogger(__name__)
@@ -100,16 +101,18 @@ class FaultTolerantDiLoCo:
         max_exclusions: int = 3,
     ) -> None:
         island = model if isinstance(model, DataParallelWrapper) else None
-        _check_island_options(island, inner_optimizer, error_feedback)
+        _check_island_options(island, error_feedback)
         check_buffers_mode(buffers)  # before the run is looked up: a mistake named without elastic.init()
         screen = ContributionScreen(max_norm_ratio, max_exclusions)
         self.run = run if run is not None else current()
-        self.wiring = IslandWiring(self.run, island, delay)  # [Note: an island rewired per generation]
+        self.inner_state = InnerState(inner_optimizer)  # healed whole, or shard by shard (ZeRO inside islands)
+        self.wiring = IslandWiring(self.run, island, delay, self.inner_state)  # [Note: an island rewired per ...]
         self.island = island
         # DiLoCo sees the module: the islands, their groups and their DDP are this class's, per generation
         self.outer = DiLoCo(
             island.module if island is not None else model, inner_optimizer, sync_every, outer_optimizer, fragments,
             delay, alpha, wire, merge=merge, error_feedback=error_feedback, buffers=buffers,
+            islands_wired_by_caller=island is not None,
         )  # fmt: skip
         self.module = self.outer.module
         self.inner = inner_optimizer
@@ -238,7 +241,7 @@ class FaultTolerantDiLoCo:
         self.contributors = [i for n, i in enumerate(ids) if n not in left_out]
         self.excluded = [ids[n] for n in left_out]
         if outcome.verdict is not None and outcome.verdict.excluded:
-            self.screen.apply(outcome.verdict, run, self.outer_steps - 1, self.outer.fragments, self.inner)
+            self.screen.apply(outcome.verdict, run, self.outer_steps - 1, self.outer.fragments, self.inner_state)
         if decision.admit:
             for joiner in decision.admit:
                 run.store.set(run.keys.admitted(joiner), str(generation.number + 1))
@@ -257,7 +260,7 @@ class FaultTolerantDiLoCo:
     def _describe(self, delta: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
         """This process's numbers about the outer gradient of the fragment starting now, and its parameters' names."""
         fragment = self.outer.fragments[self.outer.schedule.starting_after(self.outer.step_count)]
-        return health(delta, fragment.sizes, self.inner), fragment.names
+        return health(delta, fragment.sizes, self.inner_state), fragment.names
 
     def _islands(self) -> tuple[list[list[int]], list[str]]:
         generation = self.run.generation
@@ -281,6 +284,7 @@ class FaultTolerantDiLoCo:
             state = heal.transfer(payload, source, dist.group.WORLD, device)
             if run.uuid not in generation.healthy:
                 self._load(state)
+            self._copy_shards(generation, device)
         self._check_identical(generation)
 
     def _payload(self) -> dict[str, Any]:
@@ -291,7 +295,7 @@ class FaultTolerantDiLoCo:
             "outer_steps": self.outer_steps,
             "arrivals_seen": self.run.arrivals_seen,
             "model": self.module.state_dict(),
-            "inner": self.inner.state_dict(),
+            "inner": self.inner_state.whole(),  # None with ZeRO: each member's shards travel apart
             "outer": self.outer.state_dict(),
             "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
         }
@@ -307,6 +311,17 @@ class FaultTolerantDiLoCo:
             obj.load_state_dict(state["extra"][name])
         self.outer_steps = int(state["outer_steps"])
         self.run.arrivals_seen = int(state["arrivals_seen"])
+
+    def _copy_shards(self, generation: membership.Generation, device: torch.device) -> None:
+        """With a ShardedOptimizer, each restarted island's members take their shards of the inner optimizer's
+        state from the heal source's island, member by member ([Note: shards healed across islands])."""
+        if self.inner_state.sharded is None:
+            return  # a plain optimizer's state was in the payload
+        islands = generation.island_ranks()
+        source = next(i for i, ranks in enumerate(islands) if generation.source in ranks)
+        members = generation.members
+        restarted = [i for i, ranks in enumerate(islands) if members[ranks[0]] not in generation.healthy]
+        self.inner_state.copy(islands, source, restarted, device)
 
     def _check_identical(self, generation: membership.Generation) -> None:
         every = self._fingerprints()
@@ -332,18 +347,9 @@ class FaultTolerantDiLoCo:
         self.exchange.rebind(self.outer.topology)
 
 
-def _check_island_options(
-    island: DataParallelWrapper | None, inner: torch.optim.Optimizer, error_feedback: bool
-) -> None:
+def _check_island_options(island: DataParallelWrapper | None, error_feedback: bool) -> None:
     if island is None:
         return
-    if hasattr(inner, "describe_lost_shards"):  # gradsync.zero.ShardedOptimizer (elastic cannot name the class)
-        raise ValueError(
-            f"FaultTolerantDiLoCo over islands (rank {dist.get_rank()}) does not take a gradsync.zero.ShardedOptimizer "
-            "yet: each generation rebuilds the island's DDP over a new group, and moving the optimizer's shards (and "
-            "healing a restarted island member by member) is not built. Use a plain inner optimizer inside the "
-            "island here, or gradsync.diloco.DiLoCo (no fault tolerance) for ZeRO inside islands."
-        )
     if error_feedback:
         raise ValueError(
             f"FaultTolerantDiLoCo over islands (rank {dist.get_rank()}) does not take error_feedback=True: each island "

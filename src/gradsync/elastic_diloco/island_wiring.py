@@ -23,15 +23,17 @@ from ..elastic import hook_state, membership
 from ..elastic.island_watch import IslandWatch
 from ..elastic.run import ElasticRun, island_groups
 from ..wrapper.data_parallel import DataParallelWrapper
+from .inner_state import InnerState
 
 
 class IslandWiring:
     """The groups of one process for each generation, and the watch over its island mates."""
 
-    def __init__(self, run: ElasticRun, island: DataParallelWrapper | None, delay: int) -> None:
+    def __init__(self, run: ElasticRun, island: DataParallelWrapper | None, delay: int, inner: InnerState) -> None:
         _check_island(run, island)
         self.run = run
         self.island = island
+        self.inner = inner  # a ShardedOptimizer's shards follow the DDP to each group
         self.own_groups = delay > 0
         self.watch = IslandWatch(run)
         self._made_for = run.island_group_of  # the generation the DDP's group was made for
@@ -57,7 +59,7 @@ class IslandWiring:
         return self._topology
 
     def _regroup(self, group: dist.ProcessGroup) -> None:
-        """The island's DDP over ``group``, keeping its bucket layout and its comm hook."""
+        """The island's DDP over ``group``, keeping its bucket layout and its comm hook (and ZeRO's shards)."""
         ddp = self.island
         assert ddp is not None
         layout = ddp.engine.layout.describe()
@@ -68,6 +70,7 @@ class IslandWiring:
         if engine.reduction.hook is not None:
             engine.reduction.state = hook_state.rebind(engine.reduction.state, group)
         engine.adopt_layout(layout["order"], layout["caps"], layout["rebuilt"])
+        self.inner.regrouped()
 
     def close(self) -> None:
         self.watch.stop()

@@ -89,6 +89,14 @@ class ParamBuffers:
         self._handles.append(module._register_load_state_dict_pre_hook(weakly(this, "wait_all_ignoring")))
 
     # ------------------------------------------------------------------ layout
+    def regroup(self, group: dist.ProcessGroup, gather_group: Any = None) -> None:
+        """Gather over ``group`` from now on (the DDP moved to it; ``adopt`` then lays the buffers out)."""
+        self.wait_all()
+        self.group = group
+        self.gather_group = group if gather_group is None else gather_group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
     def adopt(self, buckets: BucketSet, layout: ShardLayout) -> None:
         """Move every parameter into the flat buffers of ``buckets`` (same values, new storage)."""
         self.wait_all()

@@ -102,21 +102,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         groups = param_groups_over(ddp, params)
         super().__init__(groups, probe.defaults)
         self._index = {id(p): i for i, p in enumerate(engine.params)}
-        self._group = ddp.process_group
-        self._rank = dist.get_rank(self._group)
-        ranks = [dist.get_global_rank(self._group, r) for r in range(dist.get_world_size(self._group))]
         self._timeout = timedelta(seconds=state_dict_timeout_s)
-        # state_dict's check; made by this DDP's ranks alone ([Note: groups made by their members])
-        self._helper = group_of_members(ranks, backend="gloo", timeout=self._timeout)
-        self._join = ShardedJoin(self._group, self._engine.buckets.device)
+        self._group, self._rank, self._helper, self._join, gathers = self._groups_over(ddp.process_group)
         Joinable.__init__(self)
-        # Stepping in backward: the gathers start as buckets drain, on a group of their own (param_buffers.py).
-        gathers = group_of_members(ranks, backend=dist.get_backend(self._group)) if step_in_backward else None
         self._params = ParamBuffers(ddp.module, engine.params, engine.names, self._group, gathers)
         self._order: list[int] | None = None  # the gather order, once the ranks agreed on one
         self._shards = PieceOptimizer(optimizer_class, defaults, self.param_groups, engine.params)  # pieces.py
         self._stepped = False
         self._attach(engine)
+        self._load_piece_state({})
         this = weakref.ref(self)  # weakly, so that a deepcopy of the module does not copy the optimizer
         self._hooks = [
             ddp.module.register_forward_pre_hook(weakly(this, "_before_forward"), prepend=True),
@@ -149,7 +143,15 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._layout = cast(ShardLayout, self._reduction.layout)  # use_reduction laid the buckets out
         self._params.adopt(engine.buckets, self._layout)
         self._buckets = engine.buckets
-        self._load_piece_state({})
+
+    def _groups_over(self, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, int, Any, ShardedJoin, Any]:
+        """The group, this rank in it, state_dict's check group, the join state and (stepping in backward) the
+        gathers' group, made by this DDP's ranks alone ([Note: groups made by their members])."""
+        ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        helper = group_of_members(ranks, backend="gloo", timeout=self._timeout)
+        # Stepping in backward, the gathers start as buckets drain, on a group of their own (param_buffers.py).
+        gathers = group_of_members(ranks, backend=dist.get_backend(group)) if self.step_in_backward else None
+        return group, dist.get_rank(group), helper, ShardedJoin(group, self._engine.buckets.device), gathers
 
     def follow_engine(self) -> None:
         """The wrapper's reducer was replaced before training (the fault-tolerant mode's rewiring): use the new one.
@@ -162,6 +164,54 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         if self._stepped or engine.process_group is not self._group:
             self._check_engine()  # raises, naming why
         self._attach(engine)
+        self._load_piece_state({})
+
+    def follow_regrouped_engine(self) -> None:
+        """The wrapper's reducer was rebuilt over a new group keeping its buckets (``gradsync.elastic_diloco``
+        moves an island's DDP to each generation's island group): the shards and their state move with it.
+
+        Each rank keeps its place (an island is whole in every generation, its members in rank order), so
+        it owns the same ranges and keeps its optimizer state as it is. A rank that never stepped (a
+        restarted island's member, before it is healed) is laid out afresh over any group.
+        """
+        engine = self._ddp.engine
+        if engine is self._engine:
+            return
+        group = engine.process_group
+        kept = dist.get_world_size(group) == dist.get_world_size(self._group) and dist.get_rank(group) == self._rank
+        if self._stepped and not kept:
+            raise RuntimeError(
+                f"ShardedOptimizer on rank {dist.get_rank()}: its DDP was moved from a group of "
+                f"{dist.get_world_size(self._group)} ranks (this rank {self._rank}) to one of "
+                f"{dist.get_world_size(group)} (this rank {dist.get_rank(group)}) after it stepped, and its shards "
+                "are laid out over the old ranks. Keep an island's members and their order across generations."
+            )
+        self._params.wait_all()  # no gather of the old group may land after the move
+        state = self._piece_state() if kept else {}
+        old = self._layout
+        self._shards.release()
+        self._group, self._rank, self._helper, self._join, gathers = self._groups_over(group)
+        self._params.regroup(group, gathers)
+        self._backward_step = BackwardStep(self._rank)
+        self._attach(engine)
+        if state and old.pieces(self._rank) != self._layout.pieces(self._rank):
+            state = exchange(state, old, self._layout, group, engine.buckets.device)  # every member does
+        self._load_piece_state(state)
+
+    def shard_state(self) -> PieceState:
+        """This rank's optimizer state by piece of the current layout (no collective; to heal a peer)."""
+        self._params.wait_all()
+        return self._piece_state()
+
+    def load_shard_state(self, state: PieceState) -> None:
+        """Take ``state`` (by piece of the current layout, as ``shard_state`` gives it) as this rank's."""
+        self._params.wait_all()
+        self._load_piece_state(state)
+
+    @property
+    def shard_layout(self) -> ShardLayout:
+        """Which ranges of every bucket each rank of the group owns."""
+        return self._layout
 
     def describe_lost_shards(self, dead_ranks: list[int], world_size: int) -> str:
         """What died with ``dead_ranks`` (ranks of this optimizer's group), and how to go on: for errors."""

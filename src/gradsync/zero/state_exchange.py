@@ -103,10 +103,22 @@ def exchange(
     ``state`` is consumed: each key's tensors are dropped once they are in the send buffer, so at most
     one key travels at a time (its send and receive buffers) beside the keys already moved.
     """
+    world = dist.get_world_size(group)
+    return exchange_pieces(state, [old.pieces(r) for r in range(world)], [new.pieces(r) for r in range(world)], group,
+                           device)  # fmt: skip
+
+
+def exchange_pieces(
+    state: PieceState,
+    old_pieces: list[list[Piece]],
+    new_pieces: list[list[Piece]],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> PieceState:
+    """``exchange`` between any two assignments of pieces to the ranks of ``group`` (by group rank): a rank
+    may own nothing in one of them (the members of a live island send, a restarted island's receive)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     meta = _agree(state, group)
-    old_pieces = [old.pieces(r) for r in range(world)]
-    new_pieces = [new.pieces(r) for r in range(world)]
     result: PieceState = {
         p: {k: _clone(v) for k, v in meta.scalars[p.param].items()} for p in new_pieces[rank] if p.param in meta.scalars
     }
