@@ -41,6 +41,7 @@ from torch import nn
 from gradsync import DistributedDataParallel as DDP
 from gradsync import elastic
 from gradsync.elastic_diloco import FaultTolerantDiLoCo
+from gradsync.zero import ShardedOptimizer
 
 WIDTH = 16
 
@@ -55,6 +56,11 @@ def make_model(batchnorm: bool = False) -> nn.Module:
 
 def make_inner(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def make_sharded(ddp: DDP, stage: int) -> ShardedOptimizer:
+    """make_inner's AdamW, sharded over the island (gradsync.zero)."""
+    return ShardedOptimizer(ddp, torch.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.01)
 
 
 def batch(slot: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +131,7 @@ def main() -> None:
     p.add_argument("--max-norm-ratio", type=float, default=None)
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--max-exclusions", type=int, default=3)
+    p.add_argument("--zero", type=int, default=0, help="a ShardedOptimizer of this stage inside the island")
     args = p.parse_args()
     torch.set_num_threads(1)
     phase, _, at = args.fault.partition(":")
@@ -143,8 +150,8 @@ def main() -> None:
     )  # fmt: skip
     requests = _count_requests(run.store)
     model = make_model(args.batchnorm)
-    inner = make_inner(model)
     trained = DDP(model, process_group=run.island_group) if args.island else model
+    inner = make_sharded(trained, args.zero) if args.zero else make_inner(model)
     seed = island_seed(args.slot, member) if args.island else args.slot
     joiner = run.joining
     outer = FaultTolerantDiLoCo(
@@ -213,6 +220,7 @@ def main() -> None:
         "wire": args.wire,
         "error_feedback": args.error_feedback,
         "batchnorm": args.batchnorm,
+        "zero": args.zero,
     }
     state = {"model": model.state_dict(), "theta": [t.detach().clone() for t in outer.outer.global_parameters]}
     torch.save(state, out / f"{name}.pt")
