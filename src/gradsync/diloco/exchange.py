@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..hooks.wire import all_reduce_bytes
 from .error_feedback import Residuals
+from .host_state import StagedDelta, ready
 from .topology import Topology
 from .wire import WireFormat
 
@@ -87,11 +88,12 @@ class OuterExchange:
 
     def start(
         self,
-        delta: torch.Tensor,
+        delta: torch.Tensor | StagedDelta,
         flags: tuple[float, float] | None = None,
         residuals: Residuals | None = None,
     ) -> Future[Averaged]:
         """Begin averaging ``delta`` (flat, the same length everywhere); the future holds the average.
+        A ``StagedDelta`` (a GPU run) is waited for where the average is taken: on the thread with ``overlap``.
 
         ``flags`` = (weight, active) inside ``outer.join()`` ([Note: joining at outer steps] in uneven.py);
         ``residuals``: this process's for the fragment, with error feedback ([Note: error feedback]).
@@ -112,7 +114,7 @@ class OuterExchange:
 
     def average(
         self,
-        delta: torch.Tensor,
+        delta: torch.Tensor | StagedDelta,
         flags: tuple[float, float] | None = None,
         residuals: Residuals | None = None,
         agreed: tuple[int, bool] | None = None,
@@ -120,6 +122,7 @@ class OuterExchange:
         """``agreed``: (contributors, whether this process's island contributes), decided before the exchange by
         every process alike (gradsync.elastic_diloco's [Note: bad contributions are left out]); one left out sends
         zeros, and the sum is divided by the contributors."""
+        delta = ready(delta)  # [Note: the outer state off the GPU], step 2: here, not on the training thread
         t = self.topology
         contributors, active, contributes = float(t.outer_size), t.outer_size, True
         if agreed is not None:

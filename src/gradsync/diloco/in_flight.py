@@ -20,13 +20,15 @@ import torch.distributed as dist
 
 from .error_feedback import Residuals
 from .exchange import Averaged, PendingAverage
+from .host_state import StagedDelta, ready
 
 
 class InFlight(NamedTuple):
     fragment: int
     started: int  # the inner step after which its exchange started
     average: PendingAverage
-    sent: torch.Tensor | None  # this replica's outer gradient as it started (merge="keep_inner_steps")
+    # this replica's outer gradient as it started (merge="keep_inner_steps"); on a GPU run, on its way to the host
+    sent: torch.Tensor | StagedDelta | None
 
 
 def held(in_flight: InFlight, averaged: Averaged) -> InFlight:
@@ -41,7 +43,7 @@ def to_state(in_flight: InFlight, averaged: Averaged) -> dict[str, Any]:
         "started": in_flight.started,
         "average": None if averaged.values is None else averaged.values.clone(),
         "active": averaged.active,
-        "sent": None if in_flight.sent is None else in_flight.sent.clone(),
+        "sent": None if in_flight.sent is None else ready(in_flight.sent).clone(),
         "residuals": None if averaged.residuals is None else _cloned(averaged.residuals),
     }
 

@@ -41,8 +41,10 @@ from .buffers import BufferAverage
 from .error_feedback import ErrorFeedback, slice_length
 from .exchange import Averaged, OuterExchange, WireCount
 from .fragments import Schedule
+from .host_state import ready
 from .in_flight import InFlight, from_state, held, to_state
 from .outer_params import Fragment, fragment_layers
+from .placement import placement_for
 from .uneven import UnevenInputs
 from .wire import wire_format
 
@@ -72,6 +74,9 @@ class DiLoCo:
     gradsync.elastic_diloco replaces it with one decided together and redone among survivors.
     ``buffers``: ``"average"`` makes the model's buffers (BatchNorm's statistics) agree across replicas
     once a round, ``"local"`` leaves each replica its own ([Note: buffers at outer steps] in buffers.py).
+    ``outer_state``: with parameters on a GPU, where ``theta_global`` and the outer optimizer's state live:
+    ``"host"`` (pinned host memory, one fragment at a time on the GPU) or ``"device"`` (the GPU, 8 more bytes
+    per parameter there); on CPU both are the same ([Note: the outer state off the GPU] in host_state.py).
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class DiLoCo:
         error_feedback: bool = False,
         buffers: str = "average",
         islands_wired_by_caller: bool = False,
+        outer_state: str = "host",
     ) -> None:
         checks.check_model(model)
         # gradsync.elastic_diloco passes the island DDP's module and rewires the island every generation itself
@@ -105,7 +111,11 @@ class DiLoCo:
         self.merge = merge
         self.buffers = BufferAverage(self.module, buffers)  # checks the mode before any collective
         self._buffers_by_exchange = False  # True once an exchange that averages them replaced ours
-        self.topology = _topology(self.island, group, own_groups=delay > 0)
+        # None on CPU; on a GPU the exchange runs on host tensors, over gloo groups of its own
+        self.placement = placement_for(next(self.module.parameters()).device, outer_state)
+        on_gpu = self.placement is not None
+        island_group = self.island.process_group if self.island is not None else None
+        self.topology = topology.for_model(island_group, group, delay > 0 or on_gpu, "gloo" if on_gpu else None)
         t = self.topology
         self._wait_for_params()  # an inner optimizer stepped before DiLoCo was built may still be gathering
         # Every replica starts from the same point: outer rank 0's parameters and buffers.
@@ -115,13 +125,17 @@ class DiLoCo:
                 broadcast_coalesced(start, t.source, t.outer)
             if not t.equal_islands:  # members without counterparts take them from their island's first member
                 broadcast_coalesced(start, t.island_source, t.island)
-        self.fragments = [Fragment(p, layers) for p, layers in enumerate(fragment_layers(self.module, fragments))]
+        home = torch.device("cpu") if self.placement is not None and self.placement.on_host else None
+        pin = self.placement is not None and self.placement.kit.pin
+        self.fragments = [Fragment(p, ls, home, pin) for p, ls in enumerate(fragment_layers(self.module, fragments))]
+        if self.placement is not None:
+            self.placement.prepare(self.fragments)
         self.feedback = (  # [Note: error feedback] in error_feedback.py
             ErrorFeedback([_slice_of(f.numel, t) for f in self.fragments]) if error_feedback else None
         )
         self.outer_optimizer = (outer_optimizer or nesterov)([f.theta for f in self.fragments])
         checks.check_outer_optimizer(self.outer_optimizer)
-        agreed = {**self._description(), "alpha": self.alpha, "merge": merge, "buffers": buffers}
+        agreed = {**self._description(), "alpha": self.alpha, "merge": merge, "buffers": buffers, "state": outer_state}
         agreed["outer"] = type(self.outer_optimizer).__name__
         agreed["sizes"] = [(f.numel, str(f.theta.dtype)) for f in self.fragments]
         groups = [g for g in (t.outer, t.island) if g is not None]
@@ -203,7 +217,7 @@ class DiLoCo:
         if starting is not None:
             assert self._in_flight is None, "a fragment started while another was in flight (the schedule forbids it)"
             with torch.profiler.record_function("gradsync::diloco_start_exchange"):
-                delta = self.fragments[starting].outer_gradient()
+                delta = self._outer_gradient(self.fragments[starting])
                 flags = None if self._uneven is None else self._uneven.flags(step)
                 residuals = None if self.feedback is None else self.feedback.of(starting)
                 self._in_flight = InFlight(starting, step, self.exchange.start(delta, flags, residuals), delta)
@@ -212,6 +226,7 @@ class DiLoCo:
             with torch.profiler.record_function("gradsync::diloco_outer_step"):
                 sent = self._in_flight.sent if self._in_flight is not None else None
                 averaged = self._wait()
+                sent = None if sent is None else ready(sent)  # on the host by now: the exchange waited for it
                 if averaged.values is not None:
                     finite.check_average(averaged.values, sent, self.fragments[landing], self.topology)
                     self._outer_step(landing, averaged.values, sent)
@@ -221,6 +236,14 @@ class DiLoCo:
                     self._uneven.landed(averaged.active)
                 if self.round_ends_at(landing) and self.buffers.to_average and not self._buffers_by_exchange:
                     self._average_buffers()
+
+    def _outer_gradient(self, fragment: Fragment) -> Any:
+        """``theta_global - theta_local`` of ``fragment``: a tensor, or on a GPU one on its way to the host that
+        DiLoCo's own exchange waits for on its thread; any other exchange gets it here, on the host."""
+        if self.placement is None:
+            return fragment.outer_gradient()
+        delta = self.placement.outer_gradient(fragment)
+        return delta if isinstance(self.exchange, OuterExchange) else ready(delta)
 
     def _wait_for_params(self) -> None:
         """An inner optimizer that gathers parameters after its step (gradsync.zero's ShardedOptimizer inside
@@ -263,12 +286,16 @@ class DiLoCo:
     def _outer_step(self, index: int, average: torch.Tensor, sent: torch.Tensor | None) -> None:
         fragment = self.fragments[index]
         before = fragment.theta.detach().clone() if self.merge == "keep_inner_steps" else None
-        fragment.theta.grad = average.to(fragment.theta.dtype)
+        placed = self.placement
+        fragment.theta.grad = average.to(fragment.theta.dtype) if placed is None else placed.gradient(fragment, average)
         try:
             self.outer_optimizer.step()  # only this fragment has a .grad: the others are skipped
         finally:
             fragment.theta.grad = None
-        if self.schedule.delay == 0:
+        if placed is not None and placed.on_host:
+            at_start = None if before is None or sent is None else before - sent
+            placed.land(fragment, self.schedule.delay, self.merge, self.alpha, at_start)
+        elif self.schedule.delay == 0:
             fragment.write(fragment.theta.detach())
         elif before is not None:
             assert sent is not None, "merge='keep_inner_steps' lost the outer gradient it sent"
@@ -361,6 +388,7 @@ class LocalSGD(DiLoCo):
         merge: str = "mix",
         error_feedback: bool = False,
         buffers: str = "average",
+        outer_state: str = "host",
     ) -> None:
         super().__init__(
             model,
@@ -375,20 +403,8 @@ class LocalSGD(DiLoCo):
             merge=merge,
             error_feedback=error_feedback,
             buffers=buffers,
+            outer_state=outer_state,
         )
-
-
-def _topology(
-    island: DataParallelWrapper | None, group: dist.ProcessGroup | None, own_groups: bool
-) -> topology.Topology:
-    if island is None:
-        return topology.replicas(group, own_groups)
-    if group is not None:
-        raise ValueError(
-            f"DiLoCo over islands builds the groups across islands itself (rank {dist.get_rank()}); pass group=None "
-            "with a DistributedDataParallel model (its process group is the island)."
-        )
-    return topology.islands(island.process_group, own_groups)
 
 
 def _slice_of(numel: int, t: topology.Topology) -> int:

@@ -51,7 +51,9 @@ class Fragment:
     """Some layers' parameters, the flat global copy of them (``theta``) the outer optimizer steps,
     and how to move values between the two."""
 
-    def __init__(self, index: int, layers: list[Layer]) -> None:
+    def __init__(self, index: int, layers: list[Layer], home: torch.device | None = None, pin: bool = False) -> None:
+        """``home``: where ``theta`` lives when not on the parameters' device (the host, pinned with ``pin``:
+        [Note: the outer state off the GPU] in host_state.py)."""
         self.index = index
         self.names = [name for layer in layers for name, _ in layer.params]
         self.params = [param for layer in layers for _, param in layer.params]
@@ -61,10 +63,13 @@ class Fragment:
         dtype = torch.float32
         for param in self.params:
             dtype = torch.promote_types(dtype, param.dtype)
-        self.theta = nn.Parameter(self.local(dtype))
+        theta = self.local(dtype)
+        if home is not None:
+            theta = torch.empty(self.numel, dtype=dtype, device=home, pin_memory=pin).copy_(theta)
+        self.theta = nn.Parameter(theta)
 
     def local(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The current local parameters, flat, in the global copy's dtype."""
+        """The current local parameters, flat, in the global copy's dtype, on the parameters' device."""
         dtype = dtype or self.theta.dtype
         return torch.cat([p.detach().reshape(-1).to(dtype) for p in self.params])
 

@@ -55,19 +55,34 @@ class Topology(NamedTuple):
         return self.outer is not None
 
 
-def _new_group(ranks: list[int]) -> dist.ProcessGroup:
-    return dist.new_group(ranks)
+def _new_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
+    return dist.new_group(ranks, backend=backend)
 
 
-def replicas(group: dist.ProcessGroup | None, own_groups: bool) -> Topology:
+def for_model(
+    island_group: dist.ProcessGroup | None, group: dist.ProcessGroup | None, own_groups: bool, backend: str | None
+) -> Topology:
+    """Replicas over ``group``, or islands when the model is a DDP over ``island_group``."""
+    if island_group is None:
+        return replicas(group, own_groups, backend)
+    if group is not None:
+        raise ValueError(
+            f"DiLoCo over islands builds the groups across islands itself (rank {dist.get_rank()}); pass group=None "
+            "with a DistributedDataParallel model (its process group is the island)."
+        )
+    return islands(island_group, own_groups, backend)
+
+
+def replicas(group: dist.ProcessGroup | None, own_groups: bool, backend: str | None = None) -> Topology:
+    """``backend``: of the groups made here (``"gloo"`` on a GPU run: the exchange runs on host tensors)."""
     group = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
-    outer = _new_group(ranks) if own_groups else group
+    outer = _new_group(ranks, backend) if own_groups else group
     owned = (outer,) if own_groups else ()
     return Topology(outer, None, dist.get_rank(group), len(ranks), 0, 1, ranks[0], owned)
 
 
-def islands(island_group: dist.ProcessGroup, own_groups: bool) -> Topology:
+def islands(island_group: dist.ProcessGroup, own_groups: bool, backend: str | None = None) -> Topology:
     """Counterpart groups across the islands found by asking every process for its DDP's group."""
     rank = dist.get_rank()
     mine = tuple(dist.get_process_group_ranks(island_group))
@@ -86,10 +101,12 @@ def islands(island_group: dist.ProcessGroup, own_groups: bool) -> Topology:
             "only one island, so nothing is exchanged across islands. Build the DDP over the process group of "
             "one island (dist.new_group(island_ranks)) or pass the plain module."
         )
-    return over(found, island_group, own_groups)
+    return over(found, island_group, own_groups, backend)
 
 
-def over(found: list[tuple[int, ...]], island_group: dist.ProcessGroup, own_groups: bool) -> Topology:
+def over(
+    found: list[tuple[int, ...]], island_group: dist.ProcessGroup, own_groups: bool, backend: str | None = None
+) -> Topology:
     """The counterpart groups across the islands ``found`` (each island's global ranks, every process in one);
     ``island_group``: this process's island. One island alone is allowed here (gradsync.elastic_diloco after
     the other islands died): nothing then crosses, and the island all-gather still hands out the slices."""
@@ -99,8 +116,8 @@ def over(found: list[tuple[int, ...]], island_group: dist.ProcessGroup, own_grou
     island_id = found.index(mine)
     slices = min(len(ranks) for ranks in found)  # [Note: islands]: the smallest island's members each carry one
     # Every process makes every group, in the same order: new_group is collective over the default group.
-    counterparts = [_new_group([ranks[s] for ranks in found]) for s in range(slices)]
-    island_copies = [_new_group(list(ranks)) for ranks in found] if own_groups else []
+    counterparts = [_new_group([ranks[s] for ranks in found], backend) for s in range(slices)]
+    island_copies = [_new_group(list(ranks), backend) for ranks in found] if own_groups else []
     has_counterparts = island_rank < slices
     outer = counterparts[island_rank] if has_counterparts else None
     source = found[0][island_rank] if has_counterparts else None
