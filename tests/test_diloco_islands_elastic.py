@@ -145,7 +145,7 @@ def test_zero_inside_islands_a_nan_island_is_left_out_and_its_shards_healed(tmp_
     """A NaN written into one member's copy of a parameter (ZeRO-2 inside 2 islands x 2): the island's next
     gradients, shards and parameters turn non-finite; its outer gradient is left out of outer step 2 (named
     on every member), it restarts from theta_global and its members take their AdamW shards from A's."""
-    job = IslandJob(tmp_path, "islands-zero-nan", None, replicas=2, sync_every=H, steps=12, zero=2)
+    job = IslandJob(tmp_path, "islands-zero-nan", None, replicas=2, sync_every=H, steps=STEPS, zero=2)
     job.start_island("A", 0, 2)
     job.wait_arrivals(2)
     job.start_island("B", 1, 2, fault=f"nan:{2 * H + 1}", victim=1)
@@ -155,6 +155,7 @@ def test_zero_inside_islands_a_nan_island_is_left_out_and_its_shards_healed(tmp_
     island_b = next(r["uuid"] for r in results if r["name"].startswith("B-"))
     assert logs.excluded[2] == [island_b] and logs.commits[2] == [island_a], logs
     assert all(logs.excluded[k] == [] and island_b in logs.commits[k] for k in logs.commits if k != 2), logs
+    assert len(logs.commits) == STEPS // H  # and B contributes again after it (the re-heal shows there)
     for result in results:  # named on every member of both islands
         entry = next(h for h in result["history"] if h["reason"] == "bad contribution left out")
         assert entry["excluded"] == ["B"] and entry["outer_step"] == 2 and entry["parameters"] == ["0.weight"], entry
