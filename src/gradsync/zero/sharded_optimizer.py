@@ -30,7 +30,10 @@ Per rank, with fp32 parameters and Adam, bytes per parameter: stage 2 4 + 12/N, 
 shards (zero/join.py). ``mixed_precision`` and the cast hooks (fp16/bf16 compression) set what
 the gradients are sent in; they add up in the parameters' precision (engine/reduce_scatter.py).
 Not supported (they raise): hooks that need the whole bucket (PowerSGD; hooks/shardable.py),
-``_register_fused_optim``, the fault-tolerant mode, sparse gradients.
+``_register_fused_optim``, sparse gradients. Under per-step ``gradsync.elastic.FaultTolerant`` a
+death raises naming the lost shards (elastic/sharded_state.py); inside the islands of
+``FaultTolerantDiLoCo`` the shards follow each generation's group (``follow_regrouped_engine``) and a
+restarted island is healed shard by shard ([Note: shards healed across islands] in shard_copy.py).
 """
 
 from __future__ import annotations
