@@ -31,7 +31,7 @@ from ..wrapper.data_parallel import DataParallelWrapper
 from . import commit, heal, hook_state, membership, nonfinite, settle
 from .reconfiguration import Reconfiguration
 from .run import ElasticRun, current
-from .sharded_state import ShardedState, lost_shards_error
+from .sharded_state import ShardedState, as_sharded, lost_shards_error
 from .step_decision import StepDecider
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class FaultTolerant:
         self.on_reconfigure = on_reconfigure
         self.divisor = divisor
         # A sharded optimizer: [Note: a sharded optimizer under the fault-tolerant mode] in sharded_state.py.
-        self._sharded: ShardedState | None = optimizer if hasattr(optimizer, "describe_lost_shards") else None
+        self._sharded: ShardedState | None = as_sharded(optimizer)
         self._step = 0
         self.nonfinite = nonfinite.NonFiniteGuard(reject_nonfinite, max_exclusions)  # (nonfinite.py)
         self.decider = StepDecider(self.run)  # the vote, settling, and waiting on the group (step_decision.py)
@@ -166,7 +166,7 @@ class FaultTolerant:
         self.nonfinite.check(engine.params, engine.names)
         retried_with_all_alive = False
         while True:
-            generation = self.run.generation
+            generation = self.run.member_generation
             try:
                 decision, by_vote = self._decide()
             except settle.Revoked as revoked:
@@ -187,7 +187,7 @@ class FaultTolerant:
                 return False  # this process was left out; it joined again and was healed
             if not decision.redo:
                 return False  # a member had no local gradients of this step: its batches are dropped
-            if before == set(self.run.generation.members):
+            if before == set(self.run.member_generation.members):
                 if retried_with_all_alive:
                     raise RuntimeError(
                         f"Rank {self.rank}: step {self._step} failed twice although every member is alive: "
@@ -246,7 +246,7 @@ class FaultTolerant:
         self._step += 1
         run = self.run
         run.arrivals_seen = decision.arrivals_seen
-        generation = run.generation
+        generation = run.member_generation
         if decision.admit:
             for joiner in decision.admit:
                 run.store.set(run.keys.admitted(joiner), str(generation.number + 1))
@@ -293,7 +293,7 @@ class FaultTolerant:
         # committed step was applied by all of them): only what can differ travels.
         everything = len(generation.healthy) < len(generation.members)
         payload = self._payload(everything) if dist.get_rank() == source else None
-        state = heal.transfer(payload, source, dist.group.WORLD, self.ddp.engine.buckets.device)
+        state = heal.transfer(payload, source, membership.world(), self.ddp.engine.buckets.device)
         self._rewire(state["layout"])
         if dist.get_rank() != source:
             heal.load(self.ddp.module, self.optimizer, state)
@@ -352,12 +352,12 @@ class FaultTolerant:
                 f"Rank {self.rank} was built with reject_nonfinite={self.nonfinite.enabled}, the run's members with "
                 f"{layout['reject_nonfinite']}: every replica must pass the same value to FaultTolerant."
             )
-        ddp = self.ddp
+        ddp, world = self.ddp, membership.world()
         membership.bury(ddp.engine)  # with its buckets and the work handles of its last steps
-        ddp.rebuild_engine(dist.group.WORLD, keep_local_grads=True, caps=tuple(layout["caps"]))  # the comm hook kept
+        ddp.rebuild_engine(world, keep_local_grads=True, caps=tuple(layout["caps"]))  # the comm hook kept
         engine = ddp.engine
         if engine.reduction.hook is not None:
-            engine.reduction.state = hook_state.rebind(engine.reduction.state, dist.group.WORLD)
+            engine.reduction.state = hook_state.rebind(engine.reduction.state, world)
         engine.adopt_layout(layout["order"], layout["caps"], layout["rebuilt"])
         engine.tolerance.waiter = self.decider.wait
         if self._sharded is not None:

@@ -26,7 +26,7 @@ from ..collectives.broadcast import broadcast_coalesced
 
 
 class _Slot(NamedTuple):
-    index: int
+    position: int  # in the flat list of tensors (not ``index``: that is tuple's method)
     shape: tuple[int, ...]
     dtype: torch.dtype
 
@@ -44,7 +44,7 @@ def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, _Slot):
-        return tensors[value.index]
+        return tensors[value.position]
     if isinstance(value, dict):
         return {k: _fill(v, tensors) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
@@ -73,7 +73,7 @@ def transfer(payload: Any, source: int, group: dist.ProcessGroup, device: torch.
     if dist.get_rank() == source:
         broadcast_coalesced(tensors, source, group)
         return payload
-    slots = sorted(_slots(skeleton[0]), key=lambda s: s.index)
+    slots = sorted(_slots(skeleton[0]), key=lambda s: s.position)
     received = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in slots]
     broadcast_coalesced(received, source, group)
     return _fill(skeleton[0], received)

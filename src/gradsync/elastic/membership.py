@@ -128,7 +128,7 @@ def out_of_reach(store: dist.Store, keys: Keys, heartbeat: Heartbeat, uuids: lis
 
 def decline(store: dist.Store, keys: Keys, number: int, me: str) -> None:
     """Tell the candidates forming generation ``number`` not to wait for this process: it joins again."""
-    store.set(keys.present(number, me), _DECLINED)
+    store.set(keys.present(number, me), _DECLINED.decode())  # stored as these bytes
 
 
 def bury(thing: Any) -> None:
@@ -159,6 +159,17 @@ def open_group(store: dist.Store, keys: Keys, generation: Generation, me: str, t
         world_size=len(generation.members),
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def world() -> dist.ProcessGroup:
+    """The current default group: the generation's (``open_group``), or a joiner's own (``open_alone``)."""
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError(
+            "gradsync.elastic used the default process group before it was made: gradsync.elastic.init() "
+            "opens it (and every new generation reopens it), before FaultTolerant or FaultTolerantDiLoCo."
+        )
+    return group
 
 
 def open_alone(store: dist.Store, keys: Keys, me: str) -> None:

@@ -51,7 +51,7 @@ class Reconfiguration:
         so; False if this process was left out of it (the caller joins again: ``rejoin``)."""
         run = self.run
         started = time.monotonic()
-        number = run.generation.number + 1
+        number = run.member_generation.number + 1
         while True:
             generation = membership.form(
                 run.store, run.keys, number, candidates, healthy, self._committed_step(), run.uuid, run.heartbeat,
@@ -116,7 +116,7 @@ class Reconfiguration:
 
     def record(self, reason: str, candidates: list[str], started: float) -> None:
         """The history entry of the change that just formed ``run.generation``; then ``after``."""
-        generation = self.run.generation
+        generation = self.run.member_generation
         joiners = len(generation.healthy) < len(generation.members)
         entry = {
             "generation": generation.number,

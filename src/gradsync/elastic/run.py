@@ -16,6 +16,7 @@ import time
 import uuid as uuidlib
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,7 +45,7 @@ class ElasticRun:
     join_timeout_s: float
     generation: Generation | None  # None while waiting to be admitted
     arrivals_seen: int = 0  # arrivals up to this index are members or were admitted
-    history: list[dict] = field(default_factory=list)  # one entry per reconfiguration
+    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per reconfiguration
     seat: islands.Seat | None = None  # this process's island and rank there (a plain replica: its own)
     # The process group of this process's island, when islands are named (``island=``): a DDP over it
     # trains the island's replica. Made for generation ``island_group_of``; a joiner's is its one-process group.
@@ -58,6 +59,18 @@ class ElasticRun:
     @property
     def joining(self) -> bool:
         return self.generation is None
+
+    @property
+    def member_generation(self) -> Generation:
+        """The generation this process is a member of: ``generation``, for the code that runs only once
+        this process was founded into a generation or admitted to one."""
+        if self.generation is None:
+            raise RuntimeError(
+                f"gradsync.elastic: process {self.uuid} of run {self.run_id} used its generation before it was "
+                "admitted to one: a joiner's FaultTolerant / FaultTolerantDiLoCo steps only after its constructor's "
+                "join (await_admission, then the heal) returned."
+            )
+        return self.generation
 
     def arrive(self) -> int:
         """Ask to take part (again): returns this arrival's index."""
@@ -221,10 +234,10 @@ def _found(run: ElasticRun, index: int) -> tuple[Generation, int] | None:
     if run.uuid not in generation.members:
         return None
     # arrivals up to the first that is no founder are handled: the founders' (joiners come after them)
-    founders = set(generation.members)
+    members = set(generation.members)
     handled = 0
     for i, uuid in _new_arrivals(run, 0):  # all of them: another founder may have decided before this one read all
-        if uuid not in founders:
+        if uuid not in members:
             break
         handled = i
     return generation, handled
@@ -233,7 +246,7 @@ def _found(run: ElasticRun, index: int) -> tuple[Generation, int] | None:
 def island_groups(generation: Generation, me: str) -> dist.ProcessGroup:
     """Every island's process group over ``generation``'s default group (collective: every member makes every
     island's, in order); returns this process's island's."""
-    groups = [dist.new_group(ranks) for ranks in generation.island_ranks()]
+    groups: list[dist.ProcessGroup] = [dist.new_group(ranks) for ranks in generation.island_ranks()]
     mine = generation.rank_of(me)
     return next(group for group, ranks in zip(groups, generation.island_ranks()) if mine in ranks)
 

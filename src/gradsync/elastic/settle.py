@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,7 +45,17 @@ class Word:
 
     step: int  # committed steps so far: it is deciding step ``step``
     grads: bool  # it holds the local gradients of step ``step``
-    last: dict | None  # the decision of step ``step - 1`` it applied, if it was made in this generation
+    last: dict[str, Any] | None  # the decision of step ``step - 1`` it applied, if it was made in this generation
+
+    def last_decision(self) -> Decision:
+        """The decision of step ``step - 1`` of a member ahead (it committed by a vote in this generation)."""
+        if self.last is None:
+            raise RuntimeError(
+                f"a member published step {self.step} without the decision of step {self.step - 1}: a word one "
+                "step ahead comes from applying that step's vote (StepDecider.applied) or from settling the "
+                "next step after it, and both carry it."
+            )
+        return Decision(**self.last)
 
 
 class Revoked(Exception):
@@ -91,7 +102,7 @@ def settle(
         live = [mine] + [word for word in words.values() if word is not None and word.step >= step]
         ahead = [word for word in live if word.step > step]
         if ahead:  # it committed ``step`` by a vote: so does everybody
-            proposal = Decision(**ahead[0].last)
+            proposal = ahead[0].last_decision()
         else:
             proposal = Decision(False, [], arrivals_seen, failure, redo=all(word.grads for word in live))
         return propose(store, key, proposal)

@@ -11,9 +11,12 @@ larger size instead. While nothing fails, the steps commit as with any optimizer
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .membership import Generation
+
+if TYPE_CHECKING:  # typing has it from Python 3.10; the package runs on 3.9 (annotations are strings here)
+    from typing import TypeGuard
 
 
 class ShardedState(Protocol):
@@ -22,6 +25,15 @@ class ShardedState(Protocol):
     def follow_engine(self) -> None: ...
 
     def describe_lost_shards(self, dead_ranks: list[int], world_size: int) -> str: ...
+
+
+def as_sharded(optimizer: object) -> ShardedState | None:
+    """``optimizer`` when its state is sharded (it can say which shards a death lost), else None."""
+    return optimizer if _is_sharded(optimizer) else None
+
+
+def _is_sharded(optimizer: object) -> TypeGuard[ShardedState]:
+    return hasattr(optimizer, "describe_lost_shards")
 
 
 def lost_shards_error(

@@ -53,7 +53,7 @@ class StepDecider:
         parameter whose gradient must be left out, None if none); a vote that finds one on any rank
         decides no commit, and ``self.nonfinite`` says which ranks and parameters.
         """
-        run, generation = self.run, self.run.generation
+        run, generation = self.run, self.run.member_generation
         self._store_silent = False
         self.nonfinite = {}
         failures = list(failures)
@@ -81,7 +81,7 @@ class StepDecider:
 
     def applied(self, step: int, decision: commit.Decision, by_vote: bool) -> None:
         """Step ``step`` was committed with ``decision`` and applied here."""
-        run, generation = self.run, self.run.generation
+        run, generation = self.run, self.run.member_generation
         self._last_vote = ((generation.number, step), decision) if by_vote else None
         if decision.admit or not by_vote:
             # Leaving this generation now: a member still settling the step learns it committed.
@@ -96,7 +96,7 @@ class StepDecider:
         the store here, up to its own timeout, and raises what it says (a lost quorum) rather than
         train on unprotected."""
         if self._store_silent:
-            self.run.store.check([self.run.keys.trouble(self.run.generation.number)])
+            self.run.store.check([self.run.keys.trouble(self.run.member_generation.number)])
 
     # ------------------------------------------------------------------ waiting on the group
     def wait(self, pending: Any) -> Any:
@@ -124,7 +124,7 @@ class StepDecider:
         return wait_for(pending)
 
     def _check_peers(self) -> None:
-        run, generation = self.run, self.run.generation
+        run, generation = self.run, self.run.member_generation
         gone = run.heartbeat.stale() & set(generation.members)
         if gone:
             ranks = sorted(generation.rank_of(u) for u in gone)
