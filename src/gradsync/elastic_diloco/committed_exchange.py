@@ -40,6 +40,9 @@ in rank order (a replay gets the same bits), counters taken from the group's ran
 vote. A failure there fails the vote like a failed exchange; a commit writes the average into
 the buffers; an abort averages the same copies again over the survivors, with the outer
 gradients. A joiner is healed with its source's buffers (they are in the model's state_dict).
+Over unequal islands a member of a larger island without counterparts takes no part in it and
+keeps its own buffers, as with DiLoCo: its island's DDP replaces them with its first member's
+(averaged) at the next forward.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from ..diloco.buffers import BufferAverage, BufferValues
 from ..diloco.error_feedback import Residuals
@@ -111,7 +115,7 @@ class CommittedExchange:
         self._current: OuterExchange | None = None
         # Work handles of failed collectives and votes, kept for the life of the process: freeing
         # one whose gloo pair saw its peer die can end the process (elastic/commit.py).
-        self.abandoned: list = []
+        self.abandoned: list[dist.Work] = []
         membership.bury(self.abandoned)
         self.outcome: Outcome | None = None
         # With overlap (delay > 0) each exchange's first try runs on a thread of its own while the inner
@@ -190,9 +194,11 @@ class CommittedExchange:
     def _average_buffers(self, mine: BufferValues) -> tuple[BufferValues | None, list[str]]:
         """The buffers' average over the current generation ([Note: buffers in a decided exchange])."""
         assert self._buffers is not None and self._current is not None
-        works: list = []
+        group = self._current.topology.outer
+        if group is None:  # no counterpart in the other islands: it keeps its own, as with DiLoCo (see the note)
+            return None, []
+        works: list[dist.Work] = []
         try:
-            group = self._current.topology.outer
             return self._buffers.average_in_rank_order(mine, group, self.decider.wait, works), []
         except RuntimeError as error:
             self.abandoned.extend(works)
@@ -211,7 +217,7 @@ class CommittedExchange:
         retried_with_all_alive = False
         mine = self._buffers.snapshot() if with_buffers and self._buffers is not None else None
         while True:
-            step, members = self._outer_step(), list(self.decider.run.generation.members)
+            step, members = self._outer_step(), list(self.decider.run.member_generation.members)
             averaged, failures, verdict = attempt.result()  # the thread's try never raises: it returns its failure
             buffers = None
             if mine is not None and not failures:
@@ -235,10 +241,11 @@ class CommittedExchange:
             if not self._reconfigure(f"outer step {step} aborted: {decision.reason}"):
                 self.outcome = Outcome(left_out=True)
                 return Averaged(None, 1)
-            if set(members) == set(self.decider.run.generation.members):
+            if set(members) == set(self.decider.run.member_generation.members):
                 if retried_with_all_alive:
+                    rank = self.decider.run.member_generation.rank_of(self.decider.run.uuid)
                     raise RuntimeError(
-                        f"Rank {self.decider.run.generation.rank_of(self.decider.run.uuid)}: outer step {step} "
+                        f"Rank {rank}: outer step {step} "
                         f"failed twice although every replica is alive: {decision.reason}"
                     )
                 retried_with_all_alive = True

@@ -138,7 +138,7 @@ class FaultTolerantDiLoCo:
             self.outer.wire_format,
             lambda: self.outer_steps,
             self._arrivals_known,
-            lambda reason: self.membership.change(self.run.generation.members, self.run.generation.members, reason),
+            self._change_after_abort,
             overlap=delay > 0,  # [Note: a death while an exchange is in flight] in committed_exchange.py
             buffers=self.outer.buffers,  # [Note: buffers in a decided exchange]
             round_ends=lambda: self.outer.round_ends_at(self.outer.schedule.starting_after(self.outer.step_count)),
@@ -221,8 +221,9 @@ class FaultTolerantDiLoCo:
         if outcome.revoked is not None:
             logger.warning("gradsync.elastic_diloco: %s while this process was taken for dead; joining again",
                            outcome.revoked)  # fmt: skip
-            membership.decline(run.store, run.keys, run.generation.number + 1, run.uuid)
-            run.history.append({"generation": run.generation.number, "reason": f"revoked: {outcome.revoked}",
+            number = run.member_generation.number
+            membership.decline(run.store, run.keys, number + 1, run.uuid)
+            run.history.append({"generation": number, "reason": f"revoked: {outcome.revoked}",
                                 "revoked": self.outer_steps - 1})  # fmt: skip
             self.decider.forget_vote()
             self.membership.rejoin()
@@ -235,7 +236,7 @@ class FaultTolerantDiLoCo:
         self.decider.applied(self.outer_steps, decision, outcome.by_vote)
         self.outer_steps += 1
         run.arrivals_seen = decision.arrivals_seen
-        generation = run.generation
+        generation = run.member_generation
         ids = [generation.members[ranks[0]] for ranks in generation.island_ranks()]
         left_out = outcome.verdict.excluded if outcome.verdict is not None else []
         self.contributors = [i for n, i in enumerate(ids) if n not in left_out]
@@ -259,14 +260,30 @@ class FaultTolerantDiLoCo:
     # ------------------------------------------------------------------ bad contributions
     def _describe(self, delta: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
         """This process's numbers about the outer gradient of the fragment starting now, and its parameters' names."""
-        fragment = self.outer.fragments[self.outer.schedule.starting_after(self.outer.step_count)]
+        fragment = self.outer.fragments[self._starting_fragment()]
         return health(delta, fragment.sizes, self.inner_state), fragment.names
 
+    def _starting_fragment(self) -> int:
+        """The fragment whose exchange starts at this inner step (the exchange asks only at such a step)."""
+        step = self.outer.step_count
+        starting = self.outer.schedule.starting_after(step)
+        if starting is None:
+            raise RuntimeError(
+                f"FaultTolerantDiLoCo (rank {dist.get_rank()}) was asked to screen an outer gradient after inner step "
+                f"{step}, where no fragment's exchange starts: the exchange's start() runs only at DiLoCo's events."
+            )
+        return starting
+
     def _islands(self) -> tuple[list[list[int]], list[str]]:
-        generation = self.run.generation
+        generation = self.run.member_generation
         return generation.island_ranks(), generation.island_names()
 
     # ------------------------------------------------------------------ membership changes
+    def _change_after_abort(self, reason: str) -> bool:
+        """An aborted outer step: the next generation of the live members (False: this process was left out)."""
+        members = self.run.member_generation.members
+        return self.membership.change(members, members, reason)
+
     def _reconfigured(self) -> None:
         if self.on_reconfigure is not None:
             self.on_reconfigure(dist.get_rank(), dist.get_world_size(), self.outer.step_count)
@@ -281,7 +298,7 @@ class FaultTolerantDiLoCo:
             source = generation.source
             payload = self._payload() if dist.get_rank() == source else None
             device = next(self.module.parameters()).device
-            state = heal.transfer(payload, source, dist.group.WORLD, device)
+            state = heal.transfer(payload, source, membership.world(), device)
             if run.uuid not in generation.healthy:
                 self._load(state)
             self._copy_shards(generation, device)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..elastic import heal
+from ..elastic import heal, membership
 from ..zero.shard_copy import copy_shards
 from ..zero.sharded_optimizer import ShardedOptimizer
 
@@ -52,7 +52,7 @@ class InnerState:
         if self.sharded is None:
             sender = islands[source][0]
             payload = self.optimizer.state_dict() if me == sender else None
-            state = heal.transfer(payload, sender, dist.group.WORLD, device)
+            state = heal.transfer(payload, sender, membership.world(), device)
             if any(me in islands[t] for t in targets):
                 self.optimizer.load_state_dict(state)
             return

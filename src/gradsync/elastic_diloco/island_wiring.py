@@ -47,6 +47,7 @@ class IslandWiring:
             self._topology = diloco_topology.replicas(None, own_groups=False)
             return self._topology
         generation = self.run.generation
+        found: list[tuple[int, ...]]
         if generation is None:  # a joiner, alone until admitted: an island of one process for now
             found = [(0,)]
         else:
