@@ -90,3 +90,9 @@ def test_tied_head_shares_the_embedding() -> None:
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(untied) - count(tied) == 2048 * 128  # the head's weight, counted once when tied
     assert tied.head.weight is tied.tokens.weight
+
+
+def test_tight_bound_starts_at_the_first_gradient() -> None:
+    samples = two_rounds()
+    samples[sweep_stats.FIRST_GRADIENT] = [1.5, 1.5, 3.0, 3.0]  # later than forward: 1.5 + 2.5 = 4, 3 + 2 = 5
+    assert sweep_stats.bound_series(samples, 2, start=sweep_stats.FIRST_GRADIENT) == [4.0, 4.0, 5.0, 5.0]
