@@ -50,6 +50,7 @@ STUDIES: dict[str, tuple[str, bool, str]] = {
     "gpu_step": (SINGLE, False, ""),
     "gpu_host_profile": (SINGLE, False, ""),
     "gpu_launch_cost": (SINGLE, False, ""),
+    "diloco_gpu": (SINGLE, False, " [--tiny]"),
 }
 HEADLINE = "iteration"  # make bench
 
