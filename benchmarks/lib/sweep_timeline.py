@@ -80,7 +80,9 @@ def iterations(events: list[dict[str, Any]]) -> list[Iteration]:
     return result
 
 
-def summary_row(shape: str, its: list[Iteration], flat_ms: float, forward_ms: float) -> str:
+def summary_row(
+    shape: str, its: list[Iteration], flat_ms: float, forward_ms: float, bare_ms: float, step_ms: float
+) -> str:
     """Medians over the traced iterations, one markdown row."""
 
     def med(values: list[float]) -> float:
@@ -93,14 +95,15 @@ def summary_row(shape: str, its: list[Iteration], flat_ms: float, forward_ms: fl
     return (
         f"| {shape} | {len(its[0].buckets)} | {cells} | {first_launch:.1f} | {window:.1f} "
         f"| {med([it.link_idle_ms() for it in its]):.1f} | {med([it.last_bucket_ms() for it in its]):.1f} "
-        f"| {forward_ms:.1f} | {flat_ms:.1f} |"
+        f"| {forward_ms:.1f} | {flat_ms:.1f} | {bare_ms:.1f} | {step_ms:.1f} |"
     )
 
 
 SUMMARY_HEADER = [
     "| shape | buckets | forward | buffer sync | backward compute | exposed wait | write-back | first launch "
-    "| comm window | link idle in window | last bucket | forward_only (bare) | flat all-reduce |",
-    "|---|---:|" + "---:|" * 11,
+    "| comm window | link idle in window | last bucket | forward_only (bare) | flat all-reduce | no_comm step "
+    "| gradsync step (untraced) |",
+    "|---|---:|" + "---:|" * 13,
 ]
 
 

@@ -95,15 +95,19 @@ def timeline(shape: shapes.Shape, args: Any) -> list[str]:
     torch.manual_seed(0)
     base = workload.build()
     run = suite.make_contender("gradsync", workload, base, batches, None)
-    parts = [suite.raw_allreduce(gradient_size(workload)[2]), suite.forward_only(workload, base, batches)]
+    parts = [
+        suite.raw_allreduce(gradient_size(workload)[2]),
+        suite.forward_only(workload, base, batches),
+        suite.make_contender("no_comm", workload, base, batches, None),
+    ]
     samples = interleave([run, *parts], rounds=3, iters=2, warmup=args.warmup)  # warms gradsync up, too
-    flat, forward = (statistics.median(samples[p.name]) * 1e3 for p in parts)
+    flat, forward, bare, step = (statistics.median(samples[p.name]) * 1e3 for p in [*parts, run])
     with tempfile.TemporaryDirectory() as scratch, gradsync.trace(run.model, f"{scratch}/t.json") as recorded:  # type: ignore[attr-defined]
         for i in range(args.timeline_iters):
             run.step(i)
     its = sweep_timeline.iterations(recorded.events)
     by_total = sorted(its, key=lambda it: sum(it.phases_ms.values()))
-    row = sweep_timeline.summary_row(shape.name, its, flat, forward)
+    row = sweep_timeline.summary_row(shape.name, its, flat, forward, bare, step)
     return [row, *sweep_timeline.bucket_rows(shape.name, by_total[len(by_total) // 2])]
 
 
