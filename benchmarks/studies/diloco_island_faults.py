@@ -27,10 +27,14 @@ step); ``replicas_identical()`` on every process; for a death, outer step 2 aver
 restarted, was healed and contributes to every outer step from its first; for the NaN, C was left out
 of outer step 2 only, named in ``run.history``, and not restarted; undisturbed: nothing left out.
 
-Measured per run: the survivors' stall (the cut-off outer step's time minus the median outer step's, on
-A's member 0), C's restart (the death to its new incarnation's first line, to its heal, to the commit
-of its first contribution), and the validation loss of theta_global after the last outer step (10
-held-out batches of 32, diloco_task's) against the undisturbed run of the same store at equal inner steps.
+Measured per run, on A's member 0: the survivors' stall (how much longer the ``step()`` call that committed
+the cut-off outer step took than the median outer step's call: detecting the death, settling, forming the
+next generation, the redo; the round's wall-clock is reported beside it, but on two cores four trainers
+step faster than six while C is down, which hides part of a stall there), C's restart (the death to its
+new incarnation's first line, with torch imported; to its heal; to the commit of its first
+contribution), the heal on the survivors (the admitting outer step's call over the median), and the
+validation loss of theta_global after the last outer step (10 held-out batches of 32, diloco_task's)
+against the undisturbed run of the same store at equal inner steps.
 
 Writes ``results/YYYY-MM-DD-diloco-island-faults.md`` and ``.png``.
 """
@@ -48,8 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.lib import launch, link
-from benchmarks.lib.common import loadavg
+from benchmarks.lib import common, launch, link
 from benchmarks.studies import diloco_island_report as report
 from benchmarks.studies.diloco_island_runs import HUB, ISLANDS, Case, HubCluster, one_run
 
@@ -73,12 +76,37 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--link", default="100mbit", help="the rate between islands (tc's spelling)")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds one run may take")
+    parser.add_argument("--rewrite", metavar="LOG", help="only write the report again, from this study's output")
     parser.add_argument("--inside", default="", help=argparse.SUPPRESS)  # the islands' namespaces, in the hub
     return parser.parse_args()
 
 
+def command(argv: list[str]) -> str:
+    """The command that reproduces the run, for the report (without the namespaces' and rewriting's arguments)."""
+    kept = [a for i, a in enumerate(argv) if a not in ("--inside", "--rewrite") and argv[i - 1 : i] not in
+            (["--inside"], ["--rewrite"])]  # fmt: skip
+    return launch.command_line(kept)
+
+
+def rewrite(args: argparse.Namespace) -> None:
+    """The report again from a finished study's printed rows (their folders still in place), e.g. after the
+    report's layout changed; the machine load is taken from the report being replaced."""
+    rows = [json.loads(line) for line in Path(args.rewrite).read_text().splitlines() if line.startswith('{"run"')]
+    for row in rows:
+        row["losses"] = report.losses(Path(row["out"]), args.sync_every) if row["codes"] == [0, 0, 0] else []
+    old = report.path_of().read_text() if report.path_of().exists() else ""
+    load = next((line.split(": ", 1)[1] for line in old.splitlines() if line.startswith("- machine load:")), "")
+    load = load.split(". **The machine")[0] or "not recorded"
+    torch_line = next((line for line in old.splitlines() if line.startswith("- torch ")), "")
+    revision = torch_line.split("(commit ", 1)[1].rsplit("); ", 1)[0] if "(commit " in torch_line else "unknown"
+    os.environ.update({link.ENV_VAR: link.parse_rate(args.link), link.TOPOLOGY_VAR: "islands of 2"})
+    print(report.write(rows, args, load, command(sys.argv[1:]), __doc__ or "", revision))
+
+
 def main() -> None:
     args = parse()
+    if args.rewrite:
+        return rewrite(args)
     if not args.inside:
         raise SystemExit(outside(args))
     namespaces = args.inside.split(",")
@@ -94,7 +122,7 @@ def main() -> None:
         if binary is None:
             raise SystemExit("no etcd binary: run `make etcd` first, or pass --stores tcp")
         cluster = HubCluster(3, None, binary, []).start(timeout_s=30)
-    load = Load()
+    load, revision = Load(), common.revision()  # the code the runs use, before anyone changes it
     rows: list[dict[str, Any]] = []
     path = None
     try:
@@ -105,7 +133,7 @@ def main() -> None:
                 print(json.dumps({"run": index, **{k: v for k, v in row.items() if k != "losses"}}), flush=True)
                 rows.append(row)
                 # rewritten after every run: a study cut short still leaves the runs it finished
-                path = report.write(rows, args, load.describe(), launch.command_line(), __doc__ or "")
+                path = report.write(rows, args, load.describe(), command(sys.argv[1:]), __doc__ or "", revision)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -123,14 +151,14 @@ class Load:
     """The machine's load while the study ran: what other processes used, beside ours (other agents share it)."""
 
     def __init__(self) -> None:
-        self.start_avg, self.start_wall, self.start_busy = loadavg(), time.monotonic(), busy_cpu_s()
+        self.start_avg, self.start_wall, self.start_busy = common.loadavg(), time.monotonic(), busy_cpu_s()
 
     def describe(self) -> str:
         wall = time.monotonic() - self.start_wall
         ours = resource.getrusage(resource.RUSAGE_CHILDREN) + resource.getrusage(resource.RUSAGE_SELF)
         own = ours[0] + ours[1]
         others = max(busy_cpu_s() - self.start_busy - own, 0.0)
-        return (f"load average (1, 5, 15 min) {self.start_avg} at the start, {loadavg()} at the end; other "
+        return (f"load average (1, 5, 15 min) {self.start_avg} at the start, {common.loadavg()} at the end; other "
                 f"processes used {others:.0f} CPU-s during the {wall:.0f} s, {others / wall:.2f} cores on average "
                 "(our six trainers need the two cores alone)")  # fmt: skip
 

@@ -46,7 +46,7 @@ def losses(out: Path, h: int) -> list[tuple[int, float]]:
 def span(values: list[float], digits: int = 2) -> str:
     if not values:
         return "-"
-    return f"{min(values):.{digits}f}-{max(values):.{digits}f} (median {statistics.median(values):.{digits}f})"
+    return f"{min(values):.{digits}f} to {max(values):.{digits}f} (median {statistics.median(values):.{digits}f})"
 
 
 def reference(rows: list[dict[str, Any]], store: str) -> float | None:
@@ -108,11 +108,18 @@ def every_run(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write(rows: list[dict[str, Any]], args: argparse.Namespace, load: str, command: str, method: str) -> Path:
-    """The report (the brief's name: no link suffix, the link is in its text) and its chart beside it."""
-    stores = args.stores.split(",")
+def path_of() -> Path:
+    """The report's path (the brief's name: no link suffix, the link is in its text)."""
     common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = common.RESULTS_DIR / f"{common.today()}-diloco-island-faults.md"
+    return common.RESULTS_DIR / f"{common.today()}-diloco-island-faults.md"
+
+
+def write(
+    rows: list[dict[str, Any]], args: argparse.Namespace, load: str, command: str, method: str, revision: str
+) -> Path:
+    """The report and its chart beside it."""
+    stores = args.stores.split(",")
+    path = path_of()
     chart = path.with_suffix(".png")
     doc = method.split("\n\n")
     lines = [
@@ -120,7 +127,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, load: str, comma
         "",
         f"Command: `{command}`",
         "",
-        f"- torch {torch.__version__}, gradsync (commit {common.revision()}); {os.cpu_count()} CPU cores, "
+        f"- torch {torch.__version__}, gradsync (commit {revision}); {os.cpu_count()} CPU cores, "
         "6 trainer processes, 1 torch thread each",
         f"- link: {link.describe()}",
         f"- machine load: {load}. **The machine was shared with other agents' tests and benchmarks**, so every "
@@ -129,7 +136,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, load: str, comma
         f"{args.batch} sequences per process per step (16 per island); heartbeat timeout 2 s, collective "
         "timeout 10 s (the worker's `elastic.init`)",
         "",
-        *[" ".join(part.split()) for part in doc[2:6]],
+        "\n\n".join(doc[3:7]),
         "",
         f"![validation loss and timings]({chart.name})",
         "",
@@ -217,5 +224,6 @@ def timing_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.scatter([], [], color="C2", label="survivors' stall")
     ax.scatter([], [], color="C4", label="death -> C's first contribution")
     ax.set_xticks(range(len(groups)), [f"{c}\n{s}" for c, s in groups])
+    ax.set_xlim(-0.5, len(groups) - 0.5)
     ax.set_ylabel("seconds")
     ax.legend(fontsize=8)
