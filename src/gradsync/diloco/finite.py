@@ -34,8 +34,10 @@ def check_average(average: torch.Tensor, sent: torch.Tensor | None, fragment: Fr
         return
     mine = first_nonfinite(sent, fragment) if sent is not None else -1
     group = None if topology.island is not None else topology.outer  # over islands: every process of the run
-    every = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, torch.tensor([mine], dtype=torch.int64), group=group)
+    # the default group of a GPU run may be NCCL, which carries GPU tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    every = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, torch.tensor([mine], dtype=torch.int64, device=device), group=group)
     culprits = [(rank, int(t.item())) for rank, t in enumerate(every) if int(t.item()) >= 0]
     ranks = [rank for rank, _ in culprits]
     who = f"the island(s) of global rank(s) {ranks}" if topology.island is not None else f"replica(s) {ranks}"
