@@ -83,7 +83,7 @@ def _replicas_on_one_gpu(H: int, F: int, delay: int, merge: str, islands: bool) 
         inner = ADAMW(model.parameters())
         wrapped = DDP(model, process_group=nccl_islands[rank]) if islands else model
         outer = diloco.DiLoCo(wrapped, inner, H, fragments=F, delay=delay, merge=merge, outer_state=state)
-        assert all(theta.device.type == ("cpu" if state == "host" else "cuda") for theta in outer.global_parameters)
+        assert all(theta.device.type == ("cpu" if state == "host" else CUDA.type) for theta in outer.global_parameters)
         _train(wrapped, outer, steps, world, rank, check_every_outer_step=True)
         outer.close()
         results[state] = [p.detach().cpu() for p in model.parameters()] + _outer_state_bits(outer)
@@ -162,9 +162,14 @@ def _extra_peak(outer_state: str | None, steps: int = 8) -> tuple[int, int]:
     return peak - plain, largest
 
 
+ALLOCATOR_SLACK = 2**20
+
+
 def test_the_host_placement_holds_at_most_one_fragment_above_plain_training(nccl_world) -> None:  # noqa: ANN001
     extra, fragment = _extra_peak("host")
-    assert extra <= fragment, f"{extra} bytes above plain training, one fragment is {fragment}"
+    # The caching allocator may hand out a block up to 1 MiB larger than asked (it splits a cached block only
+    # when more than that would remain), in either run: that much slack, no more.
+    assert extra <= fragment + ALLOCATOR_SLACK, f"{extra} bytes above plain training, one fragment is {fragment}"
     device_extra, _ = _extra_peak("device")  # the control: theta_global and the momentum on the GPU
     assert device_extra > 2 * fragment, f"the device placement holds only {device_extra} bytes more"
 
@@ -178,8 +183,8 @@ def test_no_host_synchronisation_in_the_training_thread(nccl_world) -> None:  # 
     with no_host_sync():  # inner steps, two fragments' starts and landings (the exchange's wait is on its thread)
         for t in range(1, 9):
             _wide_step(model, outer.step, t)
+    outer.close()  # waits for the exchange started after the last step
     assert outer.wire.exchanges == 4
-    outer.close()
 
 
 # -- the side-stream order, with waits dropped on purpose ----------------------------------------------
@@ -243,14 +248,20 @@ def _ordered(drop: str | None) -> float:
     finally:
         host_state.kit_for = before
     steps = 9
-    for t in range(steps):
-        x, y = _cuda_batch(1, 0, t)
-        outer.zero_grad()
-        loss_fn(ddp(x), y).backward()
-        outer.step()
-    outer.close()
-    torch.cuda.synchronize()
-    group.unregister()
+    try:
+        for t in range(steps):
+            x, y = _cuda_batch(1, 0, t)
+            outer.zero_grad()
+            loss_fn(ddp(x), y).backward()
+            outer.step()
+    except RuntimeError as error:  # a copy read before it was written may hold a NaN: refused before it is applied
+        if drop is None or "not finite" not in str(error):
+            raise
+        return float("inf")
+    finally:
+        outer.close()
+        torch.cuda.synchronize()
+        group.unregister()
     simulated, _ = simulate(reference, ADAMW, diloco.nesterov, functools.partial(_cuda_batch, 1), steps, 4, 2, 1)
     return max(relative(p.detach(), q.detach()) for p, q in zip(model.parameters(), simulated[0].parameters()))
 
