@@ -118,31 +118,20 @@ def write(
     rows: list[dict[str, Any]], args: argparse.Namespace, load: str, command: str, method: str, revision: str
 ) -> Path:
     """The report and its chart beside it."""
-    stores = args.stores.split(",")
     path = path_of()
     chart = path.with_suffix(".png")
-    doc = method.split("\n\n")
     lines = [
-        f"# Fault-tolerant DiLoCo over islands on the character LM: a member SIGKILLed, or poisoned ({common.today()})",
+        *header(args, load, command, revision),
         "",
-        f"Command: `{command}`",
-        "",
-        f"- torch {torch.__version__}, gradsync (commit {revision}); {os.cpu_count()} CPU cores, "
-        "6 trainer processes, 1 torch thread each",
-        f"- link: {link.describe()}",
-        f"- machine load: {load}. **The machine was shared with other agents' tests and benchmarks**, so every "
-        "time below (the stall, the restart) is inflated by CPU contention; the losses at equal inner steps are not.",
-        f"- {args.steps} inner steps, H = {args.sync_every} ({args.steps // args.sync_every} outer steps), "
-        f"{args.batch} sequences per process per step (16 per island); heartbeat timeout 2 s, collective "
-        "timeout 10 s (the worker's `elastic.init`)",
-        "",
-        "\n\n".join(doc[3:7]),
+        "\n\n".join(method.split("\n\n")[3:7]),
         "",
         f"![validation loss and timings]({chart.name})",
         "",
+        *verdict(rows),
+        "",
         "## Deaths",
         "",
-        *summary(rows, stores),
+        *summary(rows, args.stores.split(",")),
         "",
         "## The NaN case and the reference",
         "",
@@ -162,6 +151,44 @@ def write(
     path.write_text("\n".join(lines) + "\n")
     chart_of(rows, chart)
     return path
+
+
+def header(args: argparse.Namespace, load: str, command: str, revision: str) -> list[str]:
+    return [
+        f"# Fault-tolerant DiLoCo over islands on the character LM: a member SIGKILLed, or poisoned ({common.today()})",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"- torch {torch.__version__}, gradsync (commit {revision}); {os.cpu_count()} CPU cores, "
+        "6 trainer processes, 1 torch thread each",
+        f"- link: {link.describe()}",
+        f"- machine load: {load}. **The machine was shared with other agents' tests and benchmarks**, so every "
+        "time below (the stall, the restart) is inflated by CPU contention; the losses at equal inner steps are not.",
+        f"- {args.steps} inner steps, H = {args.sync_every} ({args.steps // args.sync_every} outer steps), "
+        f"{args.batch} sequences per process per step ({2 * args.batch} per island); heartbeat timeout 2 s, "
+        "collective timeout 10 s (the worker's `elastic.init`)",
+    ]
+
+
+def verdict(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's bounds over every run: passed, the final loss within 1% of undisturbed, no survivor's step lost."""
+    faulted = [r for r in rows if r["case"] != "undisturbed"]
+    ratios = [x for x in (ratio(r, rows) for r in faulted if r["passed"]) if x is not None]
+    passed = sum(r["passed"] for r in faulted)
+    lost = sum(r["inner_steps"] - r["survivor_inner_steps"] for r in faulted if r["passed"])
+    worst = max((abs(x - 1) for x in ratios), default=float("nan"))
+    return [
+        "## Verdict",
+        "",
+        f"- runs that did what the issue asks of their case (the checks above): {passed} of {len(faulted)} "
+        "faulted runs, and the undisturbed runs: "
+        + ", ".join(f"{r['store']} {'yes' if r['passed'] else 'no'}" for r in rows if r["case"] == "undisturbed"),
+        f"- final validation loss over the undisturbed run's at equal inner steps: {min(ratios, default=0):.4f} to "
+        f"{max(ratios, default=0):.4f}; the worst is {worst:.2%} away (bound 1%: "
+        f"{'met' if worst <= 0.01 else 'not met'})",
+        f"- inner steps the surviving islands lost, over every passed run: {lost}; theta_global finite at every "
+        "committed outer step on every process of every passed run (checked from each process's log)",
+    ]
 
 
 def nan_lines(rows: list[dict[str, Any]]) -> list[str]:
