@@ -154,7 +154,7 @@ class OuterExchange:
         if t.island_size == 1:
             return Averaged(averaged, active, residuals)
         sizes = [s.numel() * 4 for s in slices] + [0] * (t.island_size - t.slices)
-        gathered = self._all_to_all(t.island, averaged.view(torch.uint8), sizes, island=True)
+        gathered = self._all_to_all(t.within()[0], averaged.view(torch.uint8), sizes, island=True)
         return Averaged(gathered.view(torch.float32), active, residuals)
 
     def _across(
@@ -188,7 +188,7 @@ class OuterExchange:
         own = wire.encode(mean)
         if residuals is not None:
             residuals = self._new_residuals(residuals, values, pieces, parts, mean, own, start, contributes)
-        gathered = self._all_to_all(t.outer, own, sizes, island=False)
+        gathered = self._all_to_all(t.across()[0], own, sizes, island=False)
         return torch.cat([wire.decode(part, p.numel()) for part, p in zip(gathered.split(sizes), pieces)]), residuals
 
     def _new_residuals(

@@ -44,7 +44,7 @@ from .fragments import Schedule
 from .host_state import ready
 from .in_flight import InFlight, from_state, held, to_state
 from .outer_params import Fragment, fragment_layers
-from .placement import placement_for
+from .placement import OnHost, placement_for
 from .uneven import UnevenInputs
 from .wire import wire_format
 
@@ -105,7 +105,7 @@ class DiLoCo:
         self.schedule = Schedule.checked(sync_every, checks.fragment_count(fragments), delay)
         self.wire_format = wire_format(wire)
         self.island = model if isinstance(model, DataParallelWrapper) else None
-        self.module: nn.Module = model.module if self.island is not None else model
+        self.module: nn.Module = self.island.module if self.island is not None else model
         self.inner = inner_optimizer
         self.alpha = float(alpha)
         self.merge = merge
@@ -122,9 +122,11 @@ class DiLoCo:
         start = list(self.module.parameters()) + list(self.module.buffers())
         with torch.no_grad():
             if t.sends_across:
-                broadcast_coalesced(start, t.source, t.outer)
+                across, source = t.across()
+                broadcast_coalesced(start, source, across)
             if not t.equal_islands:  # members without counterparts take them from their island's first member
-                broadcast_coalesced(start, t.island_source, t.island)
+                island, first = t.within()
+                broadcast_coalesced(start, first, island)
         home = torch.device("cpu") if self.placement is not None and self.placement.on_host else None
         pin = self.placement is not None and self.placement.kit.pin
         self.fragments = [Fragment(p, ls, home, pin) for p, ls in enumerate(fragment_layers(self.module, fragments))]
@@ -258,7 +260,7 @@ class DiLoCo:
         larger island's members without any keep theirs, which their island's DDP replaces with its first
         member's (averaged) at the next forward, as it does for every member."""
         if self.topology.sends_across:
-            self.buffers.average(self.topology.outer, self.topology.source)
+            self.buffers.average(*self.topology.across())
 
     def round_ends_at(self, landing: int | None) -> bool:
         """Whether fragment ``landing``'s outer step is the round's last (when buffers are averaged)."""
@@ -292,7 +294,7 @@ class DiLoCo:
             self.outer_optimizer.step()  # only this fragment has a .grad: the others are skipped
         finally:
             fragment.theta.grad = None
-        if placed is not None and placed.on_host:
+        if isinstance(placed, OnHost):
             at_start = None if before is None or sent is None else before - sent
             placed.land(fragment, self.schedule.delay, self.merge, self.alpha, at_start)
         elif self.schedule.delay == 0:

@@ -54,9 +54,28 @@ class Topology(NamedTuple):
         """Whether this process exchanges a slice with counterparts (False only in a larger island)."""
         return self.outer is not None
 
+    def across(self) -> tuple[dist.ProcessGroup, int]:
+        """The group to the counterparts and the rank broadcasts come from over it (when ``sends_across``)."""
+        if self.outer is None or self.source is None:
+            raise RuntimeError(
+                f"DiLoCo on rank {dist.get_rank()} used the group across islands of a member that has no "
+                "counterparts: the caller must check sends_across first."
+            )
+        return self.outer, self.source
+
+    def within(self) -> tuple[dist.ProcessGroup, int]:
+        """The island's own group and its first member's global rank (over islands only)."""
+        if self.island is None or self.island_source is None:
+            raise RuntimeError(
+                f"DiLoCo on rank {dist.get_rank()} used the island group of a plain replica: the caller must "
+                "check island_size > 1 (or equal_islands) first."
+            )
+        return self.island, self.island_source
+
 
 def _new_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
-    return dist.new_group(ranks, backend=backend)
+    group: dist.ProcessGroup = dist.new_group(ranks, backend=backend)
+    return group
 
 
 def for_model(
@@ -75,7 +94,10 @@ def for_model(
 
 def replicas(group: dist.ProcessGroup | None, own_groups: bool, backend: str | None = None) -> Topology:
     """``backend``: of the groups made here (``"gloo"`` on a GPU run: the exchange runs on host tensors)."""
-    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        if dist.group.WORLD is None:
+            raise RuntimeError("DiLoCo needs torch.distributed initialised first (init_process_group).")
+        group = dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
     outer = _new_group(ranks, backend) if own_groups else group
     owned = (outer,) if own_groups else ()
