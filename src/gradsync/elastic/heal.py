@@ -29,12 +29,15 @@ class _Slot(NamedTuple):
     position: int  # in the flat list of tensors (not ``index``: that is tuple's method)
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # On the host at the source (an optimizer's step counter, DiLoCo's theta_global in pinned memory on a GPU
+    # run): received on the host too, so that every rank lays the tensors out in the same chunks per device.
+    on_host: bool
 
 
 def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         tensors.append(value.detach())
-        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype, value.device.type == "cpu")
     if isinstance(value, dict):
         return {k: _strip(v, tensors) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
@@ -65,7 +68,8 @@ def _slots(value: Any) -> list[_Slot]:
 def transfer(payload: Any, source: int, group: dist.ProcessGroup, device: torch.device) -> Any:
     """``payload`` (nested dicts/lists with tensors) from global rank ``source``, on every rank.
 
-    The source gets its own payload back; the others get tensors with the source's bits.
+    The source gets its own payload back; the others get tensors with the source's bits, on ``device``
+    (the model's) where the source's were on a device, on the host where its were on the host.
     """
     tensors: list[torch.Tensor] = []
     skeleton = [_strip(payload, tensors) if dist.get_rank() == source else None]
@@ -74,7 +78,7 @@ def transfer(payload: Any, source: int, group: dist.ProcessGroup, device: torch.
         broadcast_coalesced(tensors, source, group)
         return payload
     slots = sorted(_slots(skeleton[0]), key=lambda s: s.position)
-    received = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in slots]
+    received = [torch.empty(s.shape, dtype=s.dtype, device="cpu" if s.on_host else device) for s in slots]
     broadcast_coalesced(received, source, group)
     return _fill(skeleton[0], received)
 

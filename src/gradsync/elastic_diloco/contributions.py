@@ -166,7 +166,7 @@ class ContributionScreen:
                 for fragment in fragments:  # every fragment: a NaN anywhere spreads to all in one inner step
                     fragment.write(fragment.theta.detach())
         if verdict.reheal:
-            _reheal(verdict, islands, inner, fragments[0].theta.device)
+            _reheal(verdict, islands, inner, fragments[0].params[0].device)  # the model's (theta may be on the host)
         mine = next(i for i, r in enumerate(islands) if dist.get_rank() in r)
         if self.count(verdict) >= self.max_exclusions:
             raise RuntimeError(
