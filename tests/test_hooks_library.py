@@ -35,6 +35,7 @@ from gradsync.hooks import (
     compress_wrapper,
     fp16_compress_hook,
     int8_hook,
+    low_rank,
     powersgd_hook,
     topk_hook,
 )
@@ -243,6 +244,51 @@ def test_powersgd_matches_hand_reference() -> None:
     run_distributed(_check_powersgd, W)
 
 
+# Same-shaped matrices interleaved with vectors: powersgd_hook stacks the three 6 x 4 ones
+# ([Note: matrices stacked by shape] in hooks/matrix_groups.py).
+STACKED = [(6, 4), (5,), (6, 4), (3,), (7, 3), (6, 4), (2,)]
+
+
+def _stacked_grad(step: int, rank: int) -> torch.Tensor:
+    """Each matrix u_i v_{i,rank}^T with u_i shared by the ranks (their average has rank one); vectors random."""
+    pieces = []
+    for i, shape in enumerate(STACKED):
+        if len(shape) == 1:
+            pieces.append(_grad(step * 10 + i, rank, shape[0]))
+        else:
+            u = torch.randn(shape[0], generator=torch.Generator().manual_seed(1000 * step + i))
+            pieces.append(torch.outer(u, _grad(step * 10 + i, rank, shape[1])).reshape(-1))
+    return torch.cat(pieces)
+
+
+def _check_powersgd_stacks_same_shaped_matrices(small_matrix: int) -> None:
+    low_rank.SMALL_MATRIX = small_matrix  # 0: every stack one matrix at a time ([Note: when a stack is batched])
+    rank = dist.get_rank()
+    make = Buckets(STACKED)
+    mean = sum(_stacked_grad(0, r) / W for r in range(W))
+    # Rank-one averages are recovered exactly, each matrix at its own place: a matrix written to
+    # another's place, or a vector moved, would not match.
+    state = PowerSGDState(None, start_iter=0, use_error_feedback=False, warm_start=False)
+    got = _run(powersgd_hook, state, make(_stacked_grad(0, rank)))
+    assert torch.allclose(got, mean, atol=1e-5), (got - mean).abs().max()
+    assert [(g.rows, g.cols, len(g.offsets)) for g in state.layouts[0][1].groups] == [(6, 4, 3), (7, 3, 1)]
+    # With error feedback, what was applied plus what is owed is what was computed, step after step.
+    state = PowerSGDState(None, start_iter=2)  # error feedback and warm start: from iteration 2
+    applied, computed = torch.zeros_like(mean), torch.zeros_like(mean)
+    for step in range(1, 7):
+        grad = _grad(step, rank, mean.numel())  # full rank: something is held back
+        applied += _run(powersgd_hook, state, make(grad))
+        computed += _mean(step, mean.numel())
+    debt = sum(_everyone(state.residual(0)))
+    assert debt.abs().max() > 1e-3, "nothing was held back: the check would prove nothing"
+    assert torch.allclose(applied + debt, computed, atol=1e-5), (applied + debt - computed).abs().max()
+
+
+@pytest.mark.parametrize("small_matrix", [low_rank.SMALL_MATRIX, 0], ids=["batched", "one_by_one"])
+def test_powersgd_stacks_same_shaped_matrices(small_matrix: int) -> None:
+    run_distributed(_check_powersgd_stacks_same_shaped_matrices, W, small_matrix)
+
+
 def _check_powersgd_rounds_across_buckets() -> None:
     """[Note: P in flight]: a bucket's Q step waits for the next bucket's call, or the pass's end."""
     rank = dist.get_rank()
@@ -347,7 +393,9 @@ def _check_error_feedback_conserves_the_gradient(name: str) -> None:
     for step in range(6):
         applied += _run(hook, state, make(_grad(step, rank)))
         computed += _mean(step)
-    debt = sum(_everyone(state.errors.get(0)))
+    # PowerSGD keeps its memory grouped by matrix shape; residual() reads it in the bucket's order.
+    held = state.residual(0) if isinstance(state, PowerSGDState) else state.errors.get(0)
+    debt = sum(_everyone(held))
     debt = debt if errors_are_divided else debt / W
     assert debt.abs().max() > 1e-3, "nothing was held back: the test would prove nothing"
     assert torch.allclose(applied + debt, computed, atol=1e-5), (applied + debt - computed).abs().max()

@@ -31,7 +31,8 @@ the local approximations: the ranks' errors add up to exactly what was not sent.
 
 [Note: the error memory is the working matrix]
 With error feedback on, ``M = error + bucket / W`` is formed in the error memory itself
-(one fused pass), the power iteration runs on it, and ``M - P Q^T`` is subtracted there in
+(one fused pass, which also stacks same-shaped matrices: [Note: matrices stacked by shape] in
+matrix_groups.py), the power iteration runs on it, and ``M - P Q^T`` is subtracted there in
 place: what is left is next iteration's error, with no copy. The averaged result is then
 written into the bucket's buffer. At low rank the hook is memory-bound (each pass reads
 the whole bucket for a handful of flops per element), so it makes as few passes as it can:
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from ..engine.grad_bucket import GradBucket
 from .allreduce import allreduce_future
 from .low_rank import LowRankRound
+from .matrix_groups import MatrixGroups, matrix_shape, plan
 from .memory import BucketMemory
 from .wire import WireStats
 
@@ -82,6 +84,7 @@ class PowerSGDState:
         "iter",
         "errors",
         "q_memory",
+        "layouts",
         "generator",
         "wire",
         "_in_flight",
@@ -111,6 +114,9 @@ class PowerSGDState:
         self.iter = 0
         self.errors = BucketMemory()
         self.q_memory = BucketMemory()
+        self.layouts: dict[
+            int, tuple[tuple[int, ...], MatrixGroups]
+        ] = {}  # per bucket: [Note: matrices stacked by shape]
         # Same seed and same sequence of draws on every rank: the initial Q agree everywhere,
         # which P = M Q needs for the all-reduce of P to mean anything.
         self.generator = torch.Generator().manual_seed(seed)
@@ -120,6 +126,25 @@ class PowerSGDState:
 
     def compressing(self) -> bool:
         return self.iter >= self.start_iter
+
+    def layout_of(self, bucket: GradBucket) -> MatrixGroups:
+        """The bucket's matrices grouped by shape, computed once while it holds the same parameters."""
+        owner = tuple(id(p) for p in bucket.parameters())
+        entry = self.layouts.get(bucket.index())
+        if entry is None or entry[0] != owner:
+            entry = (owner, plan(bucket, self.matrix_approximation_rank, self.min_compression_rate))
+            self.layouts[bucket.index()] = entry
+        return entry[1]
+
+    def residual(self, index: int) -> torch.Tensor | None:
+        """Bucket ``index``'s error-feedback memory in the bucket's order (for inspection and tests).
+
+        ``powersgd_hook`` keeps it grouped by matrix shape ([Note: matrices stacked by shape]);
+        this puts every element back at its gradient's place.
+        """
+        memory = self.errors.get(index)
+        entry = self.layouts.get(index)
+        return memory if memory is None or entry is None else entry[1].in_bucket_order(memory)
 
     def finish_launches(self) -> None:
         """The pass is over: finish the round left waiting for its ``P`` ([Note: P in flight]).
@@ -202,36 +227,7 @@ def _plain(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[tor
 
 
 # ---------------------------------------------------------------------- per-tensor hook
-def _matrix_shape(grad: torch.Tensor) -> tuple[int, int] | None:
-    """``(rows, cols)`` to read a gradient as a matrix in memory order; ``None`` for vectors.
-
-    Rows run along the outermost dimension in memory (dim 0 for contiguous tensors, also
-    for channels_last), so each row is contiguous in the flat bucket and the matrix is a
-    view of it, with the same rank structure as the weight.
-    """
-    dims = [d for d in range(grad.dim()) if grad.shape[d] > 1]
-    if len(dims) < 2:
-        return None
-    rows = grad.shape[max(dims, key=grad.stride)]
-    return rows, grad.numel() // rows
-
-
-def _plan(state: PowerSGDState, bucket: GradBucket) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
-    """Split the bucket into compressed ``(offset, rows, cols, rank)`` and plain ``(offset, numel)``."""
-    compressed, plain = [], []
-    offset = 0
-    for grad in bucket.gradients():
-        shape = _matrix_shape(grad)
-        if shape is not None:
-            rows, cols = shape
-            rank = min(state.matrix_approximation_rank, rows, cols)
-            if rows * cols >= state.min_compression_rate * rank * (rows + cols):
-                compressed.append((offset, rows, cols, rank))
-                offset += grad.numel()
-                continue
-        plain.append((offset, grad.numel()))
-        offset += grad.numel()
-    return compressed, plain
+_matrix_shape = matrix_shape  # the name tests and older callers use
 
 
 def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -267,52 +263,54 @@ def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     if buffer.is_sparse or not state.compressing():
         return _plain(state, bucket)
     state._settle_before(bucket)  # the earlier bucket's Q goes first: [Note: P in flight]
-    work = _working_matrix(state, bucket, buffer)
-    compressed, plain = _plan(state, bucket)
-    flat = torch.cat([work[o : o + n] for o, n in plain]) if plain else None
-    if flat is not None and state.use_error_feedback:
-        for o, n in plain:
-            work[o : o + n].zero_()  # sent exactly: nothing left over for error feedback
-    if not compressed:  # then the bucket is all plain: flat is not None
-        fut = allreduce_future(flat, state.process_group, state.world_size, state.wire, divide=False)  # type: ignore[arg-type]
+    groups = state.layout_of(bucket)
+    work = _working_memory(state, bucket, buffer, groups)
+    flat = groups.plain_part(work) if groups.has_plain else None
+    if not groups.groups:  # then the bucket is all plain: flat is not None
+        sent = flat.clone()  # type: ignore[union-attr]
+        if state.use_error_feedback:
+            flat.zero_()  # type: ignore[union-attr]  # sent exactly: nothing left over for error feedback
+        fut = allreduce_future(sent, state.process_group, state.world_size, state.wire, divide=False)
         state.end_bucket(bucket)
-        return fut.then(lambda f: _write_plain(buffer, plain, f.value()))
-    outputs = [buffer[o : o + rows * cols].view(rows, cols) for o, rows, cols, _ in compressed]
+        return fut.then(lambda f: _write_plain(groups, buffer, f.value()))
 
     def write(ps: list[torch.Tensor], qs: list[torch.Tensor], averaged: torch.Tensor | None) -> torch.Tensor:
-        for out, p, q in zip(outputs, ps, qs):
-            torch.matmul(p, q.t(), out=out)
-        return buffer if averaged is None else _write_plain(buffer, plain, averaged)
+        groups.write_products(buffer, ps, qs)
+        if averaged is not None:
+            groups.write_plain(buffer, averaged)
+        return buffer
 
-    matrices = [work[o : o + rows * cols].view(rows, cols) for o, rows, cols, _ in compressed]
-    round_ = LowRankRound(state, bucket, matrices, [r for *_, r in compressed], flat, write)
+    stacks = groups.stacks(work)
+    round_ = LowRankRound(state, bucket, stacks, [g.rank for g in groups.groups], flat, write)
+    if flat is not None and state.use_error_feedback:
+        flat.zero_()  # carried in P's all-reduce (copied there): nothing left over for error feedback
     state._begin_round(round_, bucket)  # the last bucket's round finishes here, inside its iteration
     state.end_bucket(bucket)
     return round_.result
 
 
-def _write_plain(buffer: torch.Tensor, plain: list[tuple[int, int]], averaged: torch.Tensor) -> torch.Tensor:
+def _write_plain(groups: MatrixGroups, buffer: torch.Tensor, averaged: torch.Tensor) -> torch.Tensor:
     """Put the uncompressed elements' average back at their places in the bucket."""
-    offset = 0
-    for o, n in plain:
-        buffer[o : o + n].copy_(averaged[offset : offset + n])
-        offset += n
+    groups.write_plain(buffer, averaged)
     return buffer
 
 
-def _working_matrix(state: PowerSGDState, bucket: GradBucket, buffer: torch.Tensor) -> torch.Tensor:
-    """``error + buffer / W``, in the error memory when error feedback is on, else in ``buffer``.
+def _working_memory(
+    state: PowerSGDState, bucket: GradBucket, buffer: torch.Tensor, groups: MatrixGroups
+) -> torch.Tensor:
+    """``error + buffer / W`` in the layout of ``groups``: in the error memory when error feedback is on.
 
-    See [Note: the scale of M] and [Note: the error memory is the working matrix].
+    See [Note: the scale of M], [Note: the error memory is the working matrix] and
+    [Note: matrices stacked by shape] (matrix_groups.py).
     """
     if not state.use_error_feedback:
-        return buffer.div_(state.world_size)
+        return groups.fresh_memory(buffer, state.world_size)
     error = state.errors.lookup(bucket)
     if error is None or error.shape != buffer.shape:
-        error = buffer / state.world_size
+        error = groups.fresh_memory(buffer, state.world_size)
         state.errors.store(bucket, error)
     else:
-        error.add_(buffer, alpha=1.0 / state.world_size)
+        groups.to_memory(error, buffer, 1.0 / state.world_size)
     return error
 
 
@@ -354,10 +352,10 @@ def batched_powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
     matrix = padded.view(rows, cols)
 
     def write(ps: list[torch.Tensor], qs: list[torch.Tensor], _: torch.Tensor | None) -> torch.Tensor:
-        buffer.copy_(torch.mm(ps[0], qs[0].t()).view(-1)[:n])
+        buffer.copy_(torch.matmul(ps[0], qs[0].transpose(-2, -1)).view(-1)[:n])
         return buffer
 
-    round_ = LowRankRound(state, bucket, [matrix], [rank], None, write)
+    round_ = LowRankRound(state, bucket, [matrix.unsqueeze(0)], [rank], None, write)
     if state.use_error_feedback:
         # The memory is a view of the working matrix, which holds the residual once the round
         # has finished (no copy). The padding's residual means nothing and is never read.
