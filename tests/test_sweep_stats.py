@@ -59,6 +59,38 @@ def test_targets_pass_and_fail() -> None:
     assert target.passed and target.measured.startswith("h2")
 
 
+def test_a_shape_where_torch_went_nonfinite_is_no_comparison() -> None:
+    vs_torch = {"a": (0.9, 0.8, 1.0), "nan": (1.9, 1.8, 2.0)}
+    # Negative control: counted, torch's NaN shape fails the target.
+    assert not sweep_stats.faster_than_torch(1, vs_torch).passed
+    left_out = sweep_stats.faster_than_torch(1, vs_torch, torch_nonfinite={"nan"})
+    assert left_out.passed and "faster on 1 of 1" in left_out.measured and "non-finite: nan" in left_out.measured
+    # gradsync's own non-finite weights fail the shape however fast it was.
+    assert not sweep_stats.faster_than_torch(1, vs_torch, torch_nonfinite={"nan"}, ours_nonfinite={"a"}).passed
+
+
+def test_hook_target_names_the_cpu_floor() -> None:
+    target = sweep_stats.hook_target({"h": {"a": 1.3, "b": 1.4}}, cpu_floor=1.25)
+    assert not target.passed and target.measured == "h: 1.350 (its CPU alone, no link: 1.250)"
+
+
+def test_report_says_under_load_only_when_measured() -> None:
+    from types import SimpleNamespace
+
+    from benchmarks.lib import sweep_report
+
+    def result(name: str, other_cores: float) -> sweep_report.ShapeResult:
+        return sweep_report.ShapeResult(name, "", 1, 1, 4, 2, {}, other_cores=other_cores)
+
+    quiet_load = SimpleNamespace(other_cores=lambda: 0.05)
+    quiet = sweep_report.load_verdict([result("a", 0.0), result("b", 0.03)], quiet_load)  # type: ignore[arg-type]
+    assert quiet.startswith("**Quiet run**") and "0.03 cores" in quiet
+    loaded = sweep_report.load_verdict([result("a", 0.0), result("b", 0.9)], quiet_load)  # type: ignore[arg-type]
+    assert "shared the 2 cores" in loaded and "(1 of 2 shapes" in loaded
+    busy_load = SimpleNamespace(other_cores=lambda: 0.5)  # between the shapes, say
+    assert "shared" in sweep_report.load_verdict([result("a", 0.0)], busy_load)  # type: ignore[arg-type]
+
+
 def test_grid_spans_the_issue_ranges() -> None:
     grid = shapes.GRID
     assert len({s.name for s in grid}) == len(grid) >= 24

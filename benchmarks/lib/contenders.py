@@ -49,7 +49,25 @@ SWEEP_DESCRIPTIONS = {
     "torch_powersgd_r4": "torch DDP + torch's powerSGD_hook, rank 4, start_powerSGD_iter=2, one bucket",
     "gradsync_int8": "gradsync DDP (default buckets) + gradsync.hooks.int8_hook (int8 with one scale per bucket, "
     "error feedback)",
+    # What a step costs in CPU alone: the same setups over a process group of this rank only, so every collective
+    # is a no-op and nothing waits on the link or on the other rank ([Note: the CPU floors] in studies/sweep.py).
+    "gradsync_alone": "gradsync DDP with gradsync's default buckets of this shape, over a group of this rank alone "
+    "(collectives move no byte): the engine's own CPU per step (hooks, copies, division, write-back)",
+    "gradsync_powersgd_r1_alone": "gradsync_powersgd_r1 over a group of this rank alone: the engine's CPU and the "
+    "hook's compression arithmetic, no byte on a link",
 }
+ALONE = ("gradsync_alone", "gradsync_powersgd_r1_alone")
+_solo_groups: dict[int, dist.ProcessGroup] = {}
+
+
+def solo_group() -> dist.ProcessGroup:
+    """A gloo group of this rank alone; every rank creates every rank's group, once, in the same order."""
+    if not _solo_groups:
+        for r in range(dist.get_world_size()):
+            group = dist.new_group([r], backend="gloo")
+            if r == dist.get_rank():
+                _solo_groups[r] = group
+    return _solo_groups[dist.get_rank()]
 
 
 def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Callable[[], None] | None]:
@@ -70,14 +88,23 @@ def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Cal
     if name == "one_allreduce":
         return module, OneAllReduce(module)
     if name in SWEEP_DESCRIPTIONS:
-        return build_hooked(name, module), None
+        return build_hooked(name, module, cap), None
     raise ValueError(f"unknown contender {name!r}; choose from {CONTENDERS + tuple(SWEEP_DESCRIPTIONS)}")
 
 
-def build_hooked(name: str, module: nn.Module) -> nn.Module:
-    """One of ``SWEEP_DESCRIPTIONS``: "auto" caps, or a DDP with a compressing comm hook."""
+def build_hooked(name: str, module: nn.Module, caps: Any = None) -> nn.Module:
+    """One of ``SWEEP_DESCRIPTIONS``: "auto" caps, a DDP with a compressing comm hook, or one of ``ALONE``.
+
+    ``caps``: for ``gradsync_alone``, the caps in bytes gradsync's defaults chose on the real group (a group
+    of one rank would probe a link that is not there)."""
     if name == "gradsync_auto":
         return GradsyncDDP(module, bucket_cap_mb="auto")
+    if name == "gradsync_alone":
+        return GradsyncDDP(module, process_group=solo_group(), bucket_cap_mb_list=[c / 2**20 for c in caps])
+    if name == "gradsync_powersgd_r1_alone":
+        ddp = GradsyncDDP(module, process_group=solo_group())
+        ddp.register_comm_hook(hooks.PowerSGDState(ddp.process_group, start_iter=2), hooks.powersgd_hook)
+        return ddp
     if name == "gradsync_int8":
         ddp = GradsyncDDP(module)
         ddp.register_comm_hook(hooks.Int8State(None), hooks.int8_hook)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ EXACT = ("gradsync", "gradsync_auto", "torch_ddp")
 GRADSYNC_HOOKS = ("gradsync_powersgd_r1", "gradsync_powersgd_r4", "gradsync_int8")
 TORCH_HOOKS = ("torch_powersgd_r1", "torch_powersgd_r4")
 HOOKS = (*GRADSYNC_HOOKS, *TORCH_HOOKS)
+ALONE = contenders.ALONE  # the CPU floors: gradsync and its PowerSGD r=1 over a group of one rank
 CONTENDERS = (NO_COMM, *EXACT, *HOOKS)
 DESCRIPTIONS = {**contenders.DESCRIPTIONS, **contenders.SWEEP_DESCRIPTIONS}
 
@@ -39,6 +40,7 @@ class ShapeResult:
     exposed_s: float = 0.0
     other_cores: float = 0.0  # CPU other processes used while this shape was measured
     waited_s: float = 0.0  # for a quiet machine, before measuring (lib/common.py's wait_for_quiet)
+    nonfinite: list[str] = field(default_factory=list)  # contenders whose weights went NaN/inf on some rank
 
     def median_ms(self, name: str) -> float:
         return statistics.median(self.samples[name]) * 1e3
@@ -69,10 +71,13 @@ def targets(results: list[ShapeResult]) -> list[str]:
     found = [
         *sweep_stats.exact_targets(exact),
         sweep_stats.not_slower({r.name: r.to("gradsync", "torch_ddp") for r in results}),
-        sweep_stats.hook_target(hook_ratios),
+        sweep_stats.hook_target(hook_ratios, _alone_median(results, "gradsync_powersgd_r1_alone")),
         *(
             sweep_stats.faster_than_torch(
-                rank, {r.name: r.to(f"gradsync_powersgd_r{rank}", f"torch_powersgd_r{rank}") for r in results}
+                rank,
+                {r.name: r.to(f"gradsync_powersgd_r{rank}", f"torch_powersgd_r{rank}") for r in results},
+                {r.name for r in results if f"torch_powersgd_r{rank}" in r.nonfinite},
+                {r.name for r in results if f"gradsync_powersgd_r{rank}" in r.nonfinite},
             )
             for rank in (1, 4)
         ),
@@ -80,6 +85,17 @@ def targets(results: list[ShapeResult]) -> list[str]:
     lines = ["| target | measured | result |", "|---|---|:---:|"]
     lines += [f"| {t.what} | {t.measured} | {'pass' if t.passed else '**fail**'} |" for t in found]
     return lines
+
+
+def _alone_median(results: list[ShapeResult], name: str) -> float | None:
+    """The median over shapes of ``name`` / no_comm, or None for a report from before the CPU floors."""
+    if not all(name in r.samples for r in results):
+        return None
+    return sweep_stats.distribution({r.name: r.to(name, NO_COMM)[0] for r in results}).median
+
+
+def _mark(result: ShapeResult, name: str, cell: str) -> str:
+    return f"{cell} (weights non-finite)" if name in result.nonfinite else cell
 
 
 def distributions(results: list[ShapeResult]) -> list[str]:
@@ -99,6 +115,16 @@ def distributions(results: list[ShapeResult]) -> list[str]:
     for name in EXACT:
         t = sweep_stats.distribution({r.name: r.to_bound(name, FIRST_GRADIENT)[0] for r in results})
         lines.append(f"| {name} | {t.median:.3f} | {t.p90:.3f} | {t.worst:.3f} ({t.worst_shape}) |")
+    if all(name in r.samples for r in results for name in ALONE):
+        lines += [
+            "",
+            "CPU floors: the same setups over a group of one rank (no byte on a link, no wait), / no_comm:",
+            "",
+        ]
+        lines += ["| setup | median | p90 | worst (shape) |", "|---|---:|---:|---|"]
+        for name in ALONE:
+            a = sweep_stats.distribution({r.name: r.to(name, NO_COMM)[0] for r in results})
+            lines.append(f"| {name} | {a.median:.3f} | {a.p90:.3f} | {a.worst:.3f} ({a.worst_shape}) |")
     return lines
 
 
@@ -122,15 +148,16 @@ def shape_table(results: list[ShapeResult]) -> list[str]:
 def exact_table(results: list[ShapeResult]) -> list[str]:
     lines = [
         "| shape | compute / byte | gradsync / bound | auto / bound | torch_ddp / bound | gradsync / torch_ddp "
-        "| gradsync / tight bound | torch_ddp / tight bound | gradsync ms | torch_ddp ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| gradsync / tight bound | torch_ddp / tight bound | gradsync_alone / no_comm | gradsync ms | torch_ddp ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        cells = " | ".join(_ci(r.to_bound(name)) for name in EXACT)
+        cells = " | ".join(_mark(r, name, _ci(r.to_bound(name))) for name in EXACT)
+        alone = _ci(r.to("gradsync_alone", NO_COMM)) if "gradsync_alone" in r.samples else "-"
         lines.append(
             f"| {r.name} | {r.compute_per_byte():.2f} | {cells} | {_ci(r.to('gradsync', 'torch_ddp'))} "
             f"| {_ci(r.to_bound('gradsync', FIRST_GRADIENT))} | {_ci(r.to_bound('torch_ddp', FIRST_GRADIENT))} "
-            f"| {r.median_ms('gradsync'):.1f} | {r.median_ms('torch_ddp'):.1f} |"
+            f"| {alone} | {r.median_ms('gradsync'):.1f} | {r.median_ms('torch_ddp'):.1f} |"
         )
     return lines
 
@@ -138,13 +165,15 @@ def exact_table(results: list[ShapeResult]) -> list[str]:
 def hook_table(results: list[ShapeResult]) -> list[str]:
     lines = [
         "| shape | compute / byte | " + " | ".join(f"{h} / no_comm" for h in HOOKS) + " | gradsync / torch r=1 "
-        "| gradsync / torch r=4 |",
-        "|---|---:|" + "---:|" * (len(HOOKS) + 2),
+        "| gradsync / torch r=4 | gradsync_powersgd_r1_alone / no_comm |",
+        "|---|---:|" + "---:|" * (len(HOOKS) + 3),
     ]
     for r in results:
-        cells = " | ".join(_ci(r.to(h, NO_COMM)) for h in HOOKS)
+        cells = " | ".join(_mark(r, h, _ci(r.to(h, NO_COMM))) for h in HOOKS)
         versus = " | ".join(_ci(r.to(f"gradsync_powersgd_r{k}", f"torch_powersgd_r{k}")) for k in (1, 4))
-        lines.append(f"| {r.name} | {r.compute_per_byte():.2f} | {cells} | {versus} |")
+        alone = "gradsync_powersgd_r1_alone"
+        floor = _ci(r.to(alone, NO_COMM)) if alone in r.samples else "-"
+        lines.append(f"| {r.name} | {r.compute_per_byte():.2f} | {cells} | {versus} | {floor} |")
     return lines
 
 
@@ -181,6 +210,21 @@ def write_chart(results: list[ShapeResult], path: Path, link_text: str) -> None:
 
 
 # ---------------------------------------------------------------------- the report
+LOADED_CORES = 0.2  # other processes' CPU, in cores, above which a shape's numbers count as taken under load
+
+
+def load_verdict(results: list[ShapeResult], load: MachineLoad) -> str:
+    """Whether other processes shared the cores, from what was measured (never assumed either way)."""
+    loaded = [r.name for r in results if r.other_cores >= LOADED_CORES]
+    if not loaded and load.other_cores() < LOADED_CORES:
+        worst = max((r.other_cores for r in results), default=0.0)
+        return f"**Quiet run**: other processes used at most {worst:.2f} cores while any shape was measured."
+    return (
+        f"**Other processes shared the 2 cores during this run** ({len(loaded)} of {len(results)} shapes measured "
+        f"while they used {LOADED_CORES} cores or more): those shapes' numbers were taken under load."
+    )
+
+
 def write(results: list[ShapeResult], load: MachineLoad, args: Any, command: str) -> Path:
     results = sorted(results, key=lambda r: r.compute_per_byte())
     kind = f"sweep-{args.label}" if args.label else "sweep"
@@ -188,10 +232,10 @@ def write(results: list[ShapeResult], load: MachineLoad, args: Any, command: str
     link_text = (args.link or "plain loopback").replace("gbit", " Gbit/s")
     lines = [f"# Sweep: {len(results)} model shapes against the bound ({today()})", "", *environment_lines(command)]
     lines += [
-        f"- machine load: {load.describe()}; at the report's writing {loadavg()}. **Other agents' jobs (tests, "
-        "benchmarks) shared the 2 cores during this run**: the numbers were taken under load. Before each shape "
-        f"the sweep waited up to {args.wait_for_quiet:.0f} s for other processes to use under 0.3 cores; the shape "
-        "table's last two columns say how long it waited and how many cores others then used while it measured",
+        f"- machine load: {load.describe()}; at the report's writing {loadavg()}. {load_verdict(results, load)} "
+        f"Before each shape the sweep waited up to {args.wait_for_quiet:.0f} s for other processes to use under "
+        "0.3 cores; the shape table's last two columns say how long it waited and how many cores others then used "
+        "while it measured",
         f"- per shape: {args.warmup} warm-up iterations per contender, then {args.rounds} rounds x {args.iters} "
         "iterations, contenders interleaved, the starting one rotating each round; time = slowest rank's",
         "- iteration = zero_grad(set_to_none=True), forward, loss, backward, SGD step (lr 1e-3, momentum 0.9)",
@@ -203,7 +247,7 @@ def write(results: list[ShapeResult], load: MachineLoad, args: Any, command: str
         "",
         "Contenders (no setting chosen per shape):",
         "",
-        *[f"- `{name}`: {DESCRIPTIONS[name]}" for name in CONTENDERS],
+        *[f"- `{name}`: {DESCRIPTIONS[name]}" for name in (*CONTENDERS, *ALONE)],
         f"- `{FORWARD}`, `{RAW}`, `{FIRST_GRADIENT}`: the suite's parts of the bound (benchmarks/README.md)",
         "",
         "## Targets (issue #46), on this run",
@@ -236,7 +280,13 @@ def write(results: list[ShapeResult], load: MachineLoad, args: Any, command: str
     path.write_text("\n".join(lines))
     # Every sample, so the tables can be recomputed (or shapes of two runs compared) without rerunning.
     raw = {
-        r.name: {"nbytes": r.nbytes, "iters": r.iters, "other_cores": r.other_cores, "samples": r.samples}
+        r.name: {
+            "nbytes": r.nbytes,
+            "iters": r.iters,
+            "other_cores": r.other_cores,
+            "nonfinite": r.nonfinite,
+            "samples": r.samples,
+        }
         for r in results
     }
     report_path(kind, "json").write_text(json.dumps(raw))

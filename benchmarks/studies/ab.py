@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 import gradsync.hooks as after_hooks
-from benchmarks.lib import launch, link
+from benchmarks.lib import launch, link, shapes
 from benchmarks.lib.common import (
     REPO,
     TORCH_DDP,
@@ -59,6 +59,8 @@ from benchmarks.lib.common import (
 )
 from benchmarks.lib.workloads import WORKLOADS, Workload
 from gradsync import DistributedDataParallel as AfterDDP
+
+SHAPES = {shape.name: shape for shape in shapes.GRID}
 
 CONTENDERS = ("after", "before", "torch_ddp", "no_comm")
 BATCHES_PER_RANK = 4
@@ -185,7 +187,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", default="HEAD", help="git revision to compare against")
     parser.add_argument("--label", default="change", help="report file suffix")
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=[*WORKLOADS, *SHAPES],
+        default=list(WORKLOADS),
+        help="the suite's workloads, or the sweep's shapes by name (lib/shapes.py)",
+    )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--iters", type=int, default=None, help="iterations per block (default: the workload's)")
     parser.add_argument("--warmup", type=int, default=5)
@@ -207,7 +215,7 @@ def main() -> None:
         results = {}
         iters = {}
         for name in args.workloads:
-            workload = WORKLOADS[name]
+            workload = WORKLOADS[name] if name in WORKLOADS else shapes.workload(SHAPES[name])
             iters[name] = args.iters or workload.iters
             results[name] = measure(workload, before, args)
             if dist.get_rank() == 0:

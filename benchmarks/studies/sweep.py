@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import gradsync
-from benchmarks.lib import launch, link, shapes, sweep_report, sweep_timeline
+from benchmarks.lib import contenders, launch, link, shapes, sweep_report, sweep_timeline
 from benchmarks.lib.common import MachineLoad, environment_lines, interleave, report_path, today, wait_for_quiet
 from benchmarks.lib.workloads import gradient_size
 from benchmarks.studies import suite
@@ -57,9 +57,11 @@ def measure(shape: shapes.Shape, args: Any) -> sweep_report.ShapeResult:
     torch.manual_seed(0)  # same weights on every rank and for every contender
     base = workload.build()
     runs = [suite.make_contender(name, workload, base, batches, None) for name in CONTENDERS]
+    ours = runs[CONTENDERS.index("gradsync")]
+    caps = list(ours.model._config.caps)  # type: ignore[attr-defined]  # what the defaults chose on this link
+    runs += [suite.make_contender(name, workload, base, batches, caps) for name in contenders.ALONE]
     runs += [suite.raw_allreduce(nbytes), suite.forward_only(workload, base, batches)]
     runs.append(suite.to_first_gradient(workload, base, batches))
-    ours = runs[CONTENDERS.index("gradsync")]
     before: list[tuple[int, float, float]] = []
     during = MachineLoad()
     during.start()
@@ -71,6 +73,7 @@ def measure(shape: shapes.Shape, args: Any) -> sweep_report.ShapeResult:
     per_iter = torch.tensor([comm / n, exposed / n], dtype=torch.float64)
     dist.all_reduce(per_iter, op=dist.ReduceOp.MAX)
     buckets = len(ours.model.stats().buckets)  # type: ignore[attr-defined]
+    nonfinite = nonfinite_contenders(runs)
     runs.clear()  # both DDPs hold reference cycles: free them while the process group lives
     gc.collect()
     return sweep_report.ShapeResult(
@@ -85,7 +88,22 @@ def measure(shape: shapes.Shape, args: Any) -> sweep_report.ShapeResult:
         per_iter[0].item(),
         per_iter[1].item(),
         during.other_cores(),
+        nonfinite=nonfinite,
     )
+
+
+def nonfinite_contenders(runs: list[Any]) -> list[str]:
+    """The contenders whose weights hold a NaN or an infinity on some rank after the timed rounds.
+
+    A step that computes garbage can be fast (NaN arithmetic costs nothing extra, denormals do), so a
+    speed ratio against such a contender is no comparison; the report marks them.
+    """
+    trained = [r for r in runs if hasattr(r, "model")]
+    flags = torch.tensor(
+        [all(bool(torch.isfinite(p).all()) for p in r.model.parameters()) for r in trained], dtype=torch.int32
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return [r.name for r, ok in zip(trained, flags.tolist()) if not ok]
 
 
 def timeline(shape: shapes.Shape, args: Any) -> list[str]:
