@@ -27,6 +27,14 @@ def test_bound_per_round_is_the_larger_of_the_two_limits() -> None:
     assert sweep_stats.bound_series(two_rounds(), iters=2) == [3.0, 3.0, 4.0, 4.0]
 
 
+def test_cpu_floor_adds_the_collectives_cpu_to_no_comm() -> None:
+    samples = two_rounds()
+    # Round 0: max(2 + 1.5, 0.5 + 2.5) = 3.5; round 1: max(4 + 1.5, 1 + 2) = 5.5.
+    assert sweep_stats.bound_series(samples, iters=2, comm_cpu_s=1.5) == [3.5, 3.5, 5.5, 5.5]
+    # Negative control: without the CPU the same samples give the plain bound.
+    assert sweep_stats.bound_series(samples, iters=2, comm_cpu_s=0.0) == [3.0, 3.0, 4.0, 4.0]
+
+
 def test_ratio_to_bound_is_per_round() -> None:
     samples = two_rounds()
     samples["c"] = [3.3, 3.3, 4.4, 4.4]  # 1.1x each round's bound

@@ -41,6 +41,7 @@ class ShapeResult:
     other_cores: float = 0.0  # CPU other processes used while this shape was measured
     waited_s: float = 0.0  # for a quiet machine, before measuring (lib/common.py's wait_for_quiet)
     nonfinite: list[str] = field(default_factory=list)  # contenders whose weights went NaN/inf on some rank
+    flat_cpu_s: float | None = None  # the flat all-reduce's process CPU time (median, slowest rank); None: not measured
 
     def median_ms(self, name: str) -> float:
         return statistics.median(self.samples[name]) * 1e3
@@ -54,6 +55,10 @@ class ShapeResult:
 
     def to_bound(self, name: str, start: str = FORWARD) -> Interval:
         return sweep_stats.to_bound(self.samples, name, self.iters, start)
+
+    def to_cpu_floor(self, name: str) -> Interval:
+        """Against ``max(no_comm + flat all-reduce CPU, to_first_gradient + flat all-reduce)`` (sweep_stats)."""
+        return sweep_stats.to_bound(self.samples, name, self.iters, FIRST_GRADIENT, self.flat_cpu_s or 0.0)
 
     def to(self, name: str, reference: str) -> Interval:
         return sweep_stats.to_reference(self.samples, name, reference, self.iters)
@@ -115,6 +120,15 @@ def distributions(results: list[ShapeResult]) -> list[str]:
     for name in EXACT:
         t = sweep_stats.distribution({r.name: r.to_bound(name, FIRST_GRADIENT)[0] for r in results})
         lines.append(f"| {name} | {t.median:.3f} | {t.p90:.3f} | {t.worst:.3f} ({t.worst_shape}) |")
+    if all(r.flat_cpu_s is not None for r in results):
+        lines += [
+            "",
+            "Over the CPU floor `max(no_comm + the flat all-reduce's CPU time, to_first_gradient + flat all-reduce)`:",
+        ]
+        lines += ["", "| contender | median | p90 | worst (shape) |", "|---|---:|---:|---|"]
+        for name in EXACT:
+            c = sweep_stats.distribution({r.name: r.to_cpu_floor(name)[0] for r in results})
+            lines.append(f"| {name} | {c.median:.3f} | {c.p90:.3f} | {c.worst:.3f} ({c.worst_shape}) |")
     if all(name in r.samples for r in results for name in ALONE):
         lines += [
             "",
@@ -131,14 +145,15 @@ def distributions(results: list[ShapeResult]) -> list[str]:
 def shape_table(results: list[ShapeResult]) -> list[str]:
     lines = [
         "| shape | tensors | M params | grad MiB | no_comm ms | compute / byte ms/MiB | forward ms "
-        "| flat all-reduce ms | to first gradient ms | bound ms | gradsync buckets | gradsync comm ms "
-        "| gradsync exposed comm ms | waited s | other cores |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| flat all-reduce ms | flat all-reduce CPU ms | to first gradient ms | bound ms | gradsync buckets "
+        "| gradsync comm ms | gradsync exposed comm ms | waited s | other cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        flat_cpu = "-" if r.flat_cpu_s is None else f"{r.flat_cpu_s * 1e3:.1f}"
         lines.append(
             f"| {r.name} | {r.tensors} | {r.params / 1e6:.2f} | {mib(r.nbytes)} | {r.median_ms(NO_COMM):.1f} "
-            f"| {r.compute_per_byte():.2f} | {r.median_ms(FORWARD):.1f} | {r.median_ms(RAW):.1f} "
+            f"| {r.compute_per_byte():.2f} | {r.median_ms(FORWARD):.1f} | {r.median_ms(RAW):.1f} | {flat_cpu} "
             f"| {r.median_ms(FIRST_GRADIENT):.1f} | {r.bound_ms():.1f} | {r.buckets} | {r.comm_s * 1e3:.1f} "
             f"| {r.exposed_s * 1e3:.1f} | {r.waited_s:.0f} | {r.other_cores:.2f} |"
         )
@@ -148,16 +163,18 @@ def shape_table(results: list[ShapeResult]) -> list[str]:
 def exact_table(results: list[ShapeResult]) -> list[str]:
     lines = [
         "| shape | compute / byte | gradsync / bound | auto / bound | torch_ddp / bound | gradsync / torch_ddp "
-        "| gradsync / tight bound | torch_ddp / tight bound | gradsync_alone / no_comm | gradsync ms | torch_ddp ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| gradsync / tight bound | torch_ddp / tight bound | gradsync / CPU floor | gradsync_alone / no_comm "
+        "| gradsync ms | torch_ddp ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         cells = " | ".join(_mark(r, name, _ci(r.to_bound(name))) for name in EXACT)
         alone = _ci(r.to("gradsync_alone", NO_COMM)) if "gradsync_alone" in r.samples else "-"
+        cpu_floor = "-" if r.flat_cpu_s is None else _ci(r.to_cpu_floor("gradsync"))
         lines.append(
             f"| {r.name} | {r.compute_per_byte():.2f} | {cells} | {_ci(r.to('gradsync', 'torch_ddp'))} "
             f"| {_ci(r.to_bound('gradsync', FIRST_GRADIENT))} | {_ci(r.to_bound('torch_ddp', FIRST_GRADIENT))} "
-            f"| {alone} | {r.median_ms('gradsync'):.1f} | {r.median_ms('torch_ddp'):.1f} |"
+            f"| {cpu_floor} | {alone} | {r.median_ms('gradsync'):.1f} | {r.median_ms('torch_ddp'):.1f} |"
         )
     return lines
 
@@ -285,6 +302,7 @@ def write(results: list[ShapeResult], load: MachineLoad, args: Any, command: str
             "iters": r.iters,
             "other_cores": r.other_cores,
             "nonfinite": r.nonfinite,
+            "flat_cpu_s": r.flat_cpu_s,
             "samples": r.samples,
         }
         for r in results

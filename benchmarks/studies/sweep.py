@@ -38,7 +38,15 @@ import torch.distributed as dist
 
 import gradsync
 from benchmarks.lib import contenders, launch, link, shapes, sweep_report, sweep_timeline
-from benchmarks.lib.common import MachineLoad, environment_lines, interleave, report_path, today, wait_for_quiet
+from benchmarks.lib.common import (
+    Contender,
+    MachineLoad,
+    environment_lines,
+    interleave,
+    report_path,
+    today,
+    wait_for_quiet,
+)
 from benchmarks.lib.workloads import gradient_size
 from benchmarks.studies import suite
 
@@ -60,7 +68,8 @@ def measure(shape: shapes.Shape, args: Any) -> sweep_report.ShapeResult:
     ours = runs[CONTENDERS.index("gradsync")]
     caps = list(ours.model._config.caps)  # type: ignore[attr-defined]  # what the defaults chose on this link
     runs += [suite.make_contender(name, workload, base, batches, caps) for name in contenders.ALONE]
-    runs += [suite.raw_allreduce(nbytes), suite.forward_only(workload, base, batches)]
+    flat, flat_cpu = cpu_recorded(suite.raw_allreduce(nbytes))
+    runs += [flat, suite.forward_only(workload, base, batches)]
     runs.append(suite.to_first_gradient(workload, base, batches))
     before: list[tuple[int, float, float]] = []
     during = MachineLoad()
@@ -74,6 +83,8 @@ def measure(shape: shapes.Shape, args: Any) -> sweep_report.ShapeResult:
     dist.all_reduce(per_iter, op=dist.ReduceOp.MAX)
     buckets = len(ours.model.stats().buckets)  # type: ignore[attr-defined]
     nonfinite = nonfinite_contenders(runs)
+    cpu = torch.tensor([statistics.median(flat_cpu)], dtype=torch.float64)
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
     runs.clear()  # both DDPs hold reference cycles: free them while the process group lives
     gc.collect()
     return sweep_report.ShapeResult(
@@ -89,7 +100,30 @@ def measure(shape: shapes.Shape, args: Any) -> sweep_report.ShapeResult:
         per_iter[1].item(),
         during.other_cores(),
         nonfinite=nonfinite,
+        flat_cpu_s=cpu.item(),
     )
+
+
+def cpu_recorded(contender: Contender) -> tuple[Contender, list[float]]:
+    """``contender`` with each call's process CPU time (every thread: gloo's too) appended to the list.
+
+    [Note: the CPU floors]
+    On a CPU machine where every core trains a rank, a collective's CPU time (gloo's socket copies and
+    sums) has no spare core to hide on, however well it overlaps on the wire; the bound of issue #46
+    counts none. Two measurements say what that costs: the flat all-reduce's own CPU time (this), which
+    gives the CPU floor ``max(no_comm + that, to_first_gradient + flat all-reduce)`` (sweep_stats), and
+    the ``ALONE`` contenders (lib/contenders.py), the engine and its PowerSGD hook over a group of one rank,
+    which give what the engine's own copies, divisions and hooks (and the hook's arithmetic) cost.
+    """
+    cpu: list[float] = []
+    inner = contender.step
+
+    def step(i: int) -> None:
+        start = time.process_time()
+        inner(i)
+        cpu.append(time.process_time() - start)
+
+    return Contender(contender.name, step, contender.rest, contender.lead), cpu
 
 
 def nonfinite_contenders(runs: list[Any]) -> list[str]:
