@@ -262,7 +262,8 @@ def _stacked_grad(step: int, rank: int) -> torch.Tensor:
 
 
 def _check_powersgd_stacks_same_shaped_matrices(small_matrix: int) -> None:
-    low_rank.SMALL_MATRIX = small_matrix  # 0: every stack one matrix at a time ([Note: when a stack is batched])
+    # 0: every stack one matrix at a time ([Note: when a stack is batched])
+    low_rank.SMALL_MATRIX = low_rank.SMALL_PRODUCT = small_matrix
     rank = dist.get_rank()
     make = Buckets(STACKED)
     mean = sum(_stacked_grad(0, r) / W for r in range(W))

@@ -52,19 +52,23 @@ def views(flat: torch.Tensor, shapes: list[tuple[int, int, int]]) -> list[torch.
 
 # [Note: when a stack is batched]
 # Stacking pays where a matrix is small and each operation's dispatch costs more than its flops. For
-# larger matrices torch's CPU batched products are slower than one product per matrix (measured on
-# one core, 16 stacked matrices: ``P = M Q`` of 64 x 64 took 58 us batched against 26 us one by one,
-# of 256 x 256 1139 against 130 us; the output ``P Q^T`` of 256 x 256 203 against 134 us, of 32 x 32
-# 9 against 35 us). So a stack of matrices of up to ``SMALL_MATRIX`` elements runs batched, a larger
-# one a matrix at a time (its QR batched all the same: that call is cheap either way).
+# larger matrices torch's CPU batched products are slower than one product per matrix, and the size
+# where that turns differs by product (measured on one core, 16 stacked matrices, batched against one by
+# one): ``P = M Q`` (a matrix times a vector at rank 1) 20 against 19 us at 32 x 32, 58 against 26 us at
+# 64 x 64, 1139 against 130 us at 256 x 256; the output ``P Q^T`` 9 against 35 us at 32 x 32, 59 against
+# 58 us at 128 x 128, 203 against 134 us at 256 x 256; the residual ``M - P Q^T`` batched was as fast or
+# faster up to 256 x 256. So ``P = M Q`` is batched for matrices of up to ``SMALL_PRODUCT`` elements,
+# the output and the residual up to ``SMALL_MATRIX``; larger stacks go a matrix at a time (their QR
+# batched all the same: that call is cheap either way).
+SMALL_PRODUCT = 32 * 32
 SMALL_MATRIX = 128 * 128
 
 
-def batch_of(stack: torch.Tensor) -> int:
-    """How many of ``stack``'s matrices one operation takes: all when small, else one.
-
-    See [Note: when a stack is batched]."""
-    return stack.shape[0] if stack.shape[-2] * stack.shape[-1] <= SMALL_MATRIX else 1
+def batch_of(stack: torch.Tensor, limit: int | None = None) -> int:
+    """How many of ``stack``'s matrices one operation takes: all when they have at most ``limit`` elements
+    (default ``SMALL_MATRIX``), else one. See [Note: when a stack is batched]."""
+    small = SMALL_MATRIX if limit is None else limit
+    return stack.shape[0] if stack.shape[-2] * stack.shape[-1] <= small else 1
 
 
 def initial_q(state: Any, bucket: GradBucket, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -112,7 +116,7 @@ class LowRankRound:
         self.q_flat = initial_q(state, bucket, sum(k * a * b for k, a, b in q_shapes), like)
         self.ps, self.qs = views(self.p_flat, p_shapes), views(self.q_flat, q_shapes)
         for m, p, q in zip(matrices, self.ps, self.qs):
-            b = batch_of(m)
+            b = batch_of(m, SMALL_PRODUCT)
             for m_part, p_part, q_part in zip(m.split(b), p.split(b), q.split(b)):
                 torch.matmul(m_part, q_part, out=p_part)
         state.wire.add_all_reduce(self.p_flat)
