@@ -17,7 +17,10 @@ shape, interleaved over rounds (lib/common.py's [Note: how an iteration is timed
 communication, the bound's parts (``forward_only`` and ``raw_allreduce``, the suite's, plus
 ``to_first_gradient``), torch's DDP and gradsync at their defaults, ``bucket_cap_mb="auto"``, gradsync's
 PowerSGD at ranks 1 and 4 and torch's ``powerSGD_hook`` at the same ranks, gradsync's int8 hook
-(``lib/contenders.py``). Each shape is short (``--warmup 3 --rounds 5 --iters 2``); the ratios are
+(``lib/contenders.py``), and the CPU floors ([Note: the CPU floors] below): gradsync and its PowerSGD
+over a group of one rank, and the flat all-reduce's CPU time. After the rounds every contender's
+weights are checked for NaN and infinities; the report marks the ones that went non-finite.
+Each shape is short (``--warmup 3 --rounds 5 --iters 2``); the ratios are
 per-round paired ratios with 90% bootstrap intervals (lib/sweep_stats.py). Rank 0 writes
 ``benchmarks/results/YYYY-MM-DD-sweep[-RATE].md`` and ``.png`` (ratio to the bound and to no
 communication, against compute per byte), with issue #46's targets evaluated on the same run.
