@@ -66,11 +66,11 @@ def test_default_caps_are_torch_s_unless_communication_overlaps() -> None:
     assert default_bucket_caps(None, None, ADAPT_MIN_BYTES - 1) == torch_caps
 
 
-def _buckets_after_rebuild(hook: str, user_cap_mb: float | None, static_later: bool = False) -> int:
+def _buckets_after_rebuild(hook: str, user_cap_mb: float | None, static_later: bool = False, width: int = 256) -> int:
     """Buckets after iteration 1's rebuild, with the default's caps as a slow link makes them."""
     rank, world = rank_world()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 256), nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 4))
+    model = nn.Sequential(nn.Linear(16, width), nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 4))
     original = caps_module.default_bucket_caps
     caps_module.default_bucket_caps = lambda group, device, total: [MIN_CAP]  # the verdict of a 1 Gbit/s link
     try:
@@ -89,9 +89,12 @@ def _buckets_after_rebuild(hook: str, user_cap_mb: float | None, static_later: b
     return len(ddp.engine.buckets.storages)
 
 
-def test_a_compressing_hook_keeps_torch_s_caps_under_the_link_default() -> None:
+def test_a_compressing_hook_gets_one_bucket_under_the_link_default() -> None:
     """[Note: caps under a compressing hook]: PowerSGD sends little, small buckets only add latency."""
-    assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None) == [1, 1]  # 540 KiB: one 1 MiB bucket
+    assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None) == [1, 1]  # 540 KiB
+    # 2.1 MiB: torch's caps would cut it in two (1 MiB first), the link's in three (its 1 MiB layers); one here.
+    assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None, False, 512) == [1, 1]
+    assert min(run_distributed(_buckets_after_rebuild, 2, "allreduce", None, False, 512)) >= 3
     assert min(run_distributed(_buckets_after_rebuild, 2, "allreduce", None)) >= 3  # the link's 256 KiB caps
     assert min(run_distributed(_buckets_after_rebuild, 2, "powersgd", 0.25)) >= 3  # caps the user chose stay
     assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None, True) == [1, 1]  # _set_static_graph after

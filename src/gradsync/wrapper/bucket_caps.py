@@ -160,12 +160,21 @@ def prefers_few_buckets(hook_state: object) -> bool:
     """[Note: caps under a compressing hook]
     The default cuts a model into small buckets on a slow link so that uncompressed all-reduces
     start early and hide behind backward. A hook that sends a small fraction of the bytes gains
-    nothing from that and pays a latency and a round per bucket: PowerSGD on transformer at
-    1 Gbit/s took 1.20x the no-communication step with eight buckets and 1.12-1.14x with
-    torch's two. Its state says so (``prefers_few_buckets``), and the default then goes back to torch's
-    caps from the rebuild after iteration 0 on. Caps the user chose are never changed.
+    nothing from that and pays a latency, a round and a wait for the other ranks per bucket (PowerSGD:
+    two small all-reduces per bucket): on transformer at 1 Gbit/s it took 1.20x the no-communication
+    step with eight buckets and 1.12-1.14x with torch's two (2026-11-30). Its state says so
+    (``prefers_few_buckets``), and the default then puts the whole model in one bucket from the
+    rebuild after iteration 0 on, as torch's ``powerSGD_hook`` must run on gloo. Against torch's two
+    caps, same run, 1 Gbit/s, PowerSGD rank 1: 0.92-0.98x the step on five decoders, 1.00 on the conv
+    net (benchmarks/results/2026-12-06-ab-powersgd-one-bucket-1gbit.md). On a CPU the compression
+    cannot overlap backward anyway (each rank has one core). Caps the user chose are never changed.
     """
     return bool(getattr(hook_state, "prefers_few_buckets", False))
+
+
+def one_bucket_caps() -> list[int]:
+    """A cap no model reaches: every gradient in one bucket."""
+    return [1 << 62]
 
 
 def torch_default_caps() -> list[int]:

@@ -16,7 +16,7 @@ from ..engine.fused_optim import FusedOptimizer
 from ..engine.reducer import Reducer
 from ..observability.trace import Timeline
 from .agreement_checks import AgreementChecks
-from .bucket_caps import prefers_few_buckets, torch_default_caps
+from .bucket_caps import one_bucket_caps, prefers_few_buckets
 
 
 class EngineSettings:
@@ -45,7 +45,7 @@ class EngineSettings:
         return engine
 
     def caps_for_hook(self, engine: Reducer, state: object) -> None:
-        """[Note: caps under a compressing hook]: the default's caps cut for a slow link go back to
-        torch's under a hook that sends little; the rebuild after iteration 0 uses them."""
+        """[Note: caps under a compressing hook]: the default's caps cut for a slow link become one
+        bucket under a hook that sends little; the rebuild after iteration 0 uses them."""
         if self.caps_cut_for_link and prefers_few_buckets(state):
-            engine.layout.caps = torch_default_caps()
+            engine.layout.caps = one_bucket_caps()
