@@ -40,7 +40,8 @@ from gradsync.hooks import (
     topk_hook,
 )
 from gradsync.hooks.low_rank import orthonormalise
-from gradsync.hooks.powersgd import _matrix_shape, _square_ish
+from gradsync.hooks.matrix_groups import matrix_shape
+from gradsync.hooks.powersgd import _square_ish
 from gradsync.hooks.topk import largest_indices
 from gradsync.hooks.wire import all_gather_bytes, all_reduce_bytes
 
@@ -79,9 +80,9 @@ def test_bad_knobs_are_rejected_with_the_fix() -> None:
 
 def test_matrix_views_and_padding() -> None:
     assert _square_ish(64) == (8, 8) and _square_ish(60) == (8, 8) and _square_ish(65) == (9, 8)
-    assert _matrix_shape(torch.zeros(4, 3, 2, 2)) == (4, 12)
-    assert _matrix_shape(torch.zeros(4, 3, 2, 2).to(memory_format=torch.channels_last)) == (4, 12)
-    assert _matrix_shape(torch.zeros(5)) is None and _matrix_shape(torch.zeros(1, 5)) is None
+    assert matrix_shape(torch.zeros(4, 3, 2, 2)) == (4, 12)
+    assert matrix_shape(torch.zeros(4, 3, 2, 2).to(memory_format=torch.channels_last)) == (4, 12)
+    assert matrix_shape(torch.zeros(5)) is None and matrix_shape(torch.zeros(1, 5)) is None
 
 
 def test_orthonormalise_survives_zero_and_half_precision() -> None:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from ..engine.grad_bucket import GradBucket
 from .allreduce import allreduce_future
 from .low_rank import LowRankRound
-from .matrix_groups import MatrixGroups, matrix_shape, plan
+from .matrix_groups import MatrixGroups, plan
 from .memory import BucketMemory
 from .wire import WireStats
 
@@ -227,7 +227,6 @@ def _plain(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[tor
 
 
 # ---------------------------------------------------------------------- per-tensor hook
-_matrix_shape = matrix_shape  # the name tests and older callers use
 
 
 def powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
