@@ -15,6 +15,7 @@ a lossy format's rounding removed with the next exchange (error_feedback.py). Se
 """
 
 from .exchange import WireCount
-from .outer import DiLoCo, LocalSGD, averaging, nesterov
+from .local_sgd import LocalSGD, averaging
+from .outer import DiLoCo, nesterov
 
 __all__ = ["DiLoCo", "LocalSGD", "WireCount", "averaging", "nesterov"]

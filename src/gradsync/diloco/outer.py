@@ -1,4 +1,4 @@
-"""``DiLoCo`` and ``LocalSGD``: H local steps, then an outer step on the replicas' averaged outer gradient.
+"""``DiLoCo``: H local steps, then an outer step on the replicas' averaged outer gradient.
 
 [Note: DiLoCo in one paragraph]
 Every replica starts from the same ``theta_global`` (broadcast when ``DiLoCo`` is built) and takes
@@ -13,8 +13,7 @@ inner steps are taken, and the local parameters are then merged: by default as t
 ``theta_local <- alpha * theta_local + (1 - alpha) * theta_global``, or with
 ``merge="keep_inner_steps"`` as the new ``theta_global`` plus the ``tau`` inner steps
 ([Note: the merge that keeps the inner steps]); with ``delay = 0`` they are replaced. ``LocalSGD``
-is the special case of outer SGD with lr 1 and no momentum:
-``theta_global - mean(delta_i) = mean(theta_local_i)``, parameter averaging.
+is the special case of outer SGD with lr 1 and no momentum (local_sgd.py).
 
 Between outer steps ``DiLoCo.step()`` is the inner optimizer's step and one integer comparison:
 fragments, flat copies and collectives are touched only at the steps the schedule names.
@@ -54,11 +53,6 @@ OuterOptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 # The paper's outer optimizer (arXiv 2311.08105, Table 5): Nesterov, lr 0.7, momentum 0.9.
 nesterov = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def averaging(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """Outer SGD with lr 1 and no momentum: the outer step is parameter averaging."""
-    return torch.optim.SGD(params, lr=1.0)
 
 
 class DiLoCo:
@@ -370,43 +364,6 @@ class DiLoCo:
             self._wait()
         self.exchange.close()
         topology.close(self.topology)
-
-
-class LocalSGD(DiLoCo):
-    """Local SGD: every replica steps on its own, and every ``sync_every`` steps the parameters are
-    averaged (DiLoCo with outer SGD, lr 1, no momentum)."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        inner_optimizer: torch.optim.Optimizer,
-        sync_every: int,
-        fragments: int | Sequence[object] = 1,
-        delay: int = 0,
-        alpha: float = 0.5,
-        wire: str = "fp32",
-        group: dist.ProcessGroup | None = None,
-        *,
-        merge: str = "mix",
-        error_feedback: bool = False,
-        buffers: str = "average",
-        outer_state: str = "host",
-    ) -> None:
-        super().__init__(
-            model,
-            inner_optimizer,
-            sync_every,
-            averaging,
-            fragments,
-            delay,
-            alpha,
-            wire,
-            group,
-            merge=merge,
-            error_feedback=error_feedback,
-            buffers=buffers,
-            outer_state=outer_state,
-        )
 
 
 def _slice_of(numel: int, t: topology.Topology) -> int:
