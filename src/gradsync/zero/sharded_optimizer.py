@@ -41,7 +41,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,21 +49,18 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..collectives.broadcast import broadcast_int_list
-from ..collectives.groups import group_of_members
-from ..engine.reduce_scatter import ReduceScatter
 from ..engine.reducer import Reducer
-from ..engine.reductions import CommHookReduction
-from ..engine.sharding import Piece, ShardLayout, memory_order
-from ..hooks.shardable import shard_wire_dtype
+from ..engine.sharding import Piece, ShardLayout
 from ..wrapper.data_parallel import DataParallelWrapper
 from . import lost_shards
 from .backward_step import BackwardStep
 from .checks import check_every_rank_calls, check_usable, param_groups_over
 from .clipping import clip_shards
-from .join import ShardedJoin
 from .param_buffers import ParamBuffers, weakly
 from .pieces import PieceOptimizer
 from .plain_format import from_plain, to_plain
+from .reducer_link import ReducerLink
+from .shard_groups import ShardGroups
 from .state_exchange import PieceState, exchange, gather_full, pieces_from_full
 
 
@@ -94,7 +91,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         ``state_dict_timeout_s``: how long ``state_dict`` waits for every rank to call it."""
         check_usable(ddp, optimizer_class, stage, elementwise, step_in_backward)
         self._ddp = ddp
-        self._engine = engine = ddp.engine
+        engine = ddp.engine
         self.stage = stage
         self.overlap_param_gather = overlap_param_gather
         self.step_in_backward = step_in_backward
@@ -106,9 +103,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         super().__init__(groups, probe.defaults)
         self._index = {id(p): i for i, p in enumerate(engine.params)}
         self._timeout = timedelta(seconds=state_dict_timeout_s)
-        self._group, self._rank, self._helper, self._join, gathers = self._groups_over(ddp.process_group)
+        self._groups = ShardGroups.over(ddp.process_group, engine.buckets.device, step_in_backward, self._timeout)
         Joinable.__init__(self)
-        self._params = ParamBuffers(ddp.module, engine.params, engine.names, self._group, gathers)
+        self._params = ParamBuffers(ddp.module, engine.params, engine.names, self._groups.group, self._groups.gathers)
         self._order: list[int] | None = None  # the gather order, once the ranks agreed on one
         self._shards = PieceOptimizer(optimizer_class, defaults, self.param_groups, engine.params)  # pieces.py
         self._stepped = False
@@ -121,40 +118,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._finished_init = True
 
     def _attach(self, engine: Reducer) -> None:
-        """Make ``engine`` reduce-scatter into this optimizer's shards (a cast hook it has: the wire dtype)."""
-        self._engine = engine
-        # Stepping in backward, backward must not wait for one bucket's reduce-scatter before it launches the
-        # next: the link carries the all-gathers too ([Note: buckets released as they drain]).
-        in_flight = 2 if self.step_in_backward else 1
-        self._reduction = ReduceScatter(self._group, keep_full=self.stage == 1, in_flight=in_flight)
-        hooked = engine.reduction
-        if isinstance(hooked, CommHookReduction):
-            wire_dtype = shard_wire_dtype(hooked.hook, hooked.name, self._rank)
-            self._reduction.compress(hooked.hook, hooked.state, hooked.name, wire_dtype)
-        self._reduction.set_join_partner(self)  # a joined rank steps its shards too (join.py)
-        if self.step_in_backward:
-            if engine.tolerance.enabled:
-                raise NotImplementedError(
-                    f"ShardedOptimizer(step_in_backward=True) cannot run under gradsync.elastic (rank {self._rank}): "
-                    "a step there commits only once every replica voted, after backward. Build it with "
-                    "step_in_backward=False."
-                )
-            # Which parameters were used is agreed at the end of backward when they are tracked.
-            at_drain = not (engine.config.find_unused_parameters or engine.config.static_graph)
-            self._reduction.listen(self, at_drain)
-        engine.use_reduction(self._reduction, pad_multiple=dist.get_world_size(self._group))
-        self._layout = cast(ShardLayout, self._reduction.layout)  # use_reduction laid the buckets out
-        self._params.adopt(engine.buckets, self._layout)
-        self._buckets = engine.buckets
+        """Make ``engine`` reduce-scatter into this optimizer's shards (reducer_link.py)."""
+        self._link = ReducerLink(engine, self._groups.group, self.stage, self.step_in_backward, self)
+        self._params.adopt(engine.buckets, self._link.layout)
 
-    def _groups_over(self, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, int, Any, ShardedJoin, Any]:
-        """The group, this rank in it, state_dict's check group, the join state and (stepping in backward) the
-        gathers' group, made by this DDP's ranks alone ([Note: groups made by their members])."""
-        ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
-        helper = group_of_members(ranks, backend="gloo", timeout=self._timeout)
-        # Stepping in backward, the gathers start as buckets drain, on a group of their own (param_buffers.py).
-        gathers = group_of_members(ranks, backend=dist.get_backend(group)) if self.step_in_backward else None
-        return group, dist.get_rank(group), helper, ShardedJoin(group, self._engine.buckets.device), gathers
+    @property
+    def _engine(self) -> Reducer:
+        return self._link.engine
 
     def follow_engine(self) -> None:
         """The wrapper's reducer was replaced before training (the fault-tolerant mode's rewiring): use the new one.
@@ -164,7 +134,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         engine = self._ddp.engine
         if engine is self._engine:
             return
-        if self._stepped or engine.process_group is not self._group:
+        if self._stepped or engine.process_group is not self._groups.group:
             self._check_engine()  # raises, naming why
         self._attach(engine)
         self._load_piece_state({})
@@ -180,25 +150,25 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         engine = self._ddp.engine
         if engine is self._engine:
             return
-        group = engine.process_group
-        kept = dist.get_world_size(group) == dist.get_world_size(self._group) and dist.get_rank(group) == self._rank
+        group, size, rank = engine.process_group, dist.get_world_size(self._groups.group), self._groups.rank
+        kept = dist.get_world_size(group) == size and dist.get_rank(group) == rank
         if self._stepped and not kept:
             raise RuntimeError(
                 f"ShardedOptimizer on rank {dist.get_rank()}: its DDP was moved from a group of "
-                f"{dist.get_world_size(self._group)} ranks (this rank {self._rank}) to one of "
+                f"{size} ranks (this rank {rank}) to one of "
                 f"{dist.get_world_size(group)} (this rank {dist.get_rank(group)}) after it stepped, and its shards "
                 "are laid out over the old ranks. Keep an island's members and their order across generations."
             )
         self._params.wait_all()  # no gather of the old group may land after the move
         state = self._piece_state() if kept else {}
-        old = self._layout
+        old = self._link.layout
         self._shards.release()
-        self._group, self._rank, self._helper, self._join, gathers = self._groups_over(group)
-        self._params.regroup(group, gathers)
-        self._backward_step = BackwardStep(self._rank)
+        self._groups = ShardGroups.over(group, engine.buckets.device, self.step_in_backward, self._timeout)
+        self._params.regroup(group, self._groups.gathers)
+        self._backward_step = BackwardStep(self._groups.rank)
         self._attach(engine)
-        if state and old.pieces(self._rank) != self._layout.pieces(self._rank):
-            state = exchange(state, old, self._layout, group, engine.buckets.device)  # every member does
+        if state and old.pieces(self._groups.rank) != self._link.layout.pieces(self._groups.rank):
+            state = exchange(state, old, self._link.layout, group, engine.buckets.device)  # every member does
         self._load_piece_state(state)
 
     def shard_state(self) -> PieceState:
@@ -214,11 +184,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     @property
     def shard_layout(self) -> ShardLayout:
         """Which ranges of every bucket each rank of the group owns."""
-        return self._layout
+        return self._link.layout
 
     def describe_lost_shards(self, dead_ranks: list[int], world_size: int) -> str:
         """What died with ``dead_ranks`` (ranks of this optimizer's group), and how to go on: for errors."""
-        return lost_shards.describe(self._layout, self._engine.names, self.stage, dead_ranks, world_size)
+        return lost_shards.describe(self._link.layout, self._engine.names, self.stage, dead_ranks, world_size)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -228,13 +198,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             with torch.enable_grad():
                 loss = closure()
         self._check_engine()
-        self._join.check_order(self._join_config)
+        self._groups.join.check_order(self._join_config)
         Join.notify_join_context(self)
         if self._in_join():
-            self._join.share_hyperparameters(self.param_groups, joined=False)
+            self._groups.join.share_hyperparameters(self.param_groups, joined=False)
         elif self.step_in_backward:
             self._backward_step.settle(self.param_groups)  # the shards were stepped in backward
-            if not any(self._reduction.filled):  # every bucket was stepped: only its gather may be waited for
+            if not any(self._link.reduction.filled):  # every bucket was stepped: only its gather may be waited for
                 if not (self.overlap_param_gather and self._params.guard_in_flight()):
                     self._params.wait_all()
                 return loss
@@ -251,28 +221,28 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """
         if self._in_join():
             return  # stepped in step(), alongside a joined rank's shadow step
-        if self._engine.buckets is not self._buckets:
+        if self._link.relaid_out():
             self._check_engine()
         self._params.wait(b)  # an all-gather of the last step may still be writing these parameters
         # The first bucket of this backward takes the hyper-parameters (LR schedulers changed them).
-        self._shards.step_bucket(b, self._shard_grad, self._backward_step.hyperparameters(self.param_groups))
-        self._reduction.consumed_bucket(b)
+        self._shards.step_bucket(b, self._link.shard_grad, self._backward_step.hyperparameters(self.param_groups))
+        self._link.reduction.consumed_bucket(b)
         self._params.start([b])
         self._backward_step.owed = self._stepped = True
 
     def _step_shards(self, from_shards: bool) -> None:
         self._params.wait_all()  # the step writes the parameters; no gather may still be writing them
-        grad_of = self._shard_grad if from_shards else self._full_grad
+        grad_of = self._link.shard_grad if from_shards else self._link.full_grad
         # Under gradsync.elastic a step commits once its collectives completed: none may be left in flight.
         if self.overlap_param_gather and not self._in_join() and not self._engine.tolerance.enabled:
             # Each bucket's gather leaves once it is stepped ([Note: gathers that leave as buckets are stepped]).
             self._shards.step_in_order(self._gather_order(), grad_of, lambda b: self._params.start([b]))
-            self._reduction.consumed()
+            self._link.reduction.consumed()
             if not self._params.guard_in_flight():  # another dispatch mode is on the stack (stale_guard.py)
                 self._params.wait_all()
         else:
             self._shards.step(grad_of)
-            self._reduction.consumed()
+            self._link.reduction.consumed()
             self._params.gather_now(self._gather_order())
 
     def shadow_step(self) -> None:
@@ -282,7 +252,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         it with the hyper-parameters the training ranks use now (their LR scheduler moved on) and
         all-gathering gives every rank the same parameters as if it had trained along.
         """
-        self._join.share_hyperparameters(self.param_groups, joined=True)
+        self._groups.join.share_hyperparameters(self.param_groups, joined=True)
         self._step_shards(from_shards=True)
 
     def wait_for_params(self) -> None:
@@ -303,7 +273,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                     param.grad = None
                 else:
                     param.grad.detach_().zero_()
-        self._reduction.consumed()
+        self._link.reduction.consumed()
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -318,20 +288,21 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise self._backward_step.clip_error()
         if self._in_join():
             raise NotImplementedError(
-                f"ShardedOptimizer.clip_grad_norm_ cannot be combined with join (rank {self._rank}): a rank that "
-                "ran out of data would have to take part in the norm and clip its shard too. Clip without join, "
+                f"ShardedOptimizer.clip_grad_norm_ cannot be combined with join (rank {self._groups.rank}): a rank "
+                "that ran out of data would have to take part in the norm and clip its shard too. Clip without join, "
                 "or give every rank the same number of batches."
             )
         if self.stage == 1:
             params = [p for group in self.param_groups for p in group["params"]]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
-        grads = [g for g in map(self._shard_grad, self._shards.pieces) if g is not None]
-        return clip_shards(grads, max_norm, norm_type, error_if_nonfinite, self._group, self._engine.buckets.device)
+        grads = [g for g in map(self._link.shard_grad, self._shards.pieces) if g is not None]
+        return clip_shards(grads, max_norm, norm_type, error_if_nonfinite, self._groups.group, self._link.device)
 
     # ------------------------------------------------------------------ pieces and their gradients
     def _load_piece_state(self, state: PieceState) -> None:
         """The inner optimizer over this rank's pieces of the current layout, with ``state`` (by piece)."""
-        self._shards.build(self._layout.pieces(self._rank), self._params.own_range, len(self._layout.padded), state)
+        layout = self._link.layout
+        self._shards.build(layout.pieces(self._groups.rank), self._params.own_range, len(layout.padded), state)
 
     def _piece_state(self) -> PieceState:
         return self._shards.state()
@@ -344,23 +315,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def _inner(self) -> torch.optim.Optimizer | None:
         return self._shards.inner
 
-    def _shard_grad(self, piece: Piece) -> torch.Tensor | None:
-        """A piece's gradient in the reducer's shards (stage 2, a joined rank); None: not stepped."""
-        reduction = self._reduction
-        if not reduction.is_used(piece.param, piece.bucket):
-            return None
-        return reduction.grad_shards[piece.bucket].narrow(0, piece.shard_start, piece.length)
-
-    def _full_grad(self, piece: Piece) -> torch.Tensor | None:
-        """A piece's gradient in ``.grad`` (stage 1)."""
-        full = self._engine.params[piece.param].grad
-        return None if full is None else memory_order(full).narrow(0, piece.param_start, piece.length)
-
     # ------------------------------------------------------------------ layout and gathers
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         """The bucket rebuild after the first iteration gives new buckets: parameters and state follow."""
         self._backward_step.check_not_owed()
-        if self._engine.buckets is not self._buckets:
+        if self._link.relaid_out():
             self._check_engine()
             with torch.no_grad():
                 state = self._piece_state()
@@ -369,27 +328,21 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 # and each old state key once it was sent: the relayout then holds little more than one
                 # layout at a time.
                 self._shards.release()
-                self._buckets = self._engine.buckets
-                old, new = self._layout, cast(ShardLayout, self._reduction.layout)  # laid out anew
+                old, new = self._link.take_new_layout()  # laid out anew
                 self._params.adopt(self._engine.buckets, new)
-                self._layout, self._order = new, None
-                self._load_piece_state(exchange(state, old, new, self._group, self._engine.buckets.device))
+                self._order = None
+                self._load_piece_state(exchange(state, old, new, self._groups.group, self._link.device))
 
     def _gather_order(self) -> list[int]:
         """The buckets in the order the first forward used them, rank 0's (every rank must gather alike)."""
         if self._order is None:
             local = self._params.gather_order()
-            device = self._engine.buckets.device
-            self._order = broadcast_int_list(local, dist.get_global_rank(self._group, 0), self._group, device)
+            root = dist.get_global_rank(self._groups.group, 0)
+            self._order = broadcast_int_list(local, root, self._groups.group, self._link.device)
         return self._order
 
     def _check_engine(self) -> None:
-        if self._ddp.engine is not self._engine:
-            raise RuntimeError(
-                "The DistributedDataParallel's reducer was replaced (set_static_graph, a new process group) after "
-                "this ShardedOptimizer was built, so the new one does not reduce-scatter. Build the "
-                "ShardedOptimizer after those calls."
-            )
+        self._link.check_current(self._ddp)
 
     # ------------------------------------------------------------------ join (uneven inputs)
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -398,23 +351,23 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def join_started(self) -> None:
         """The DDP entered a join (its join hook was made): steps share hyper-parameters from now on."""
-        self._join.active = True
+        self._groups.join.active = True
 
     def _in_join(self) -> bool:
         """Inside an enabled join of the DDP (its config is that of the last Join built over it)."""
-        return self._join.active and self._ddp._join_config.enable
+        return self._groups.join.active and self._ddp._join_config.enable
 
     def join_ended(self) -> None:
         self._params.wait_all()  # the DDP's post hook broadcasts parameters a gather may still write
-        self._join.active = False
+        self._groups.join.active = False
 
     @property
     def join_device(self) -> torch.device:
-        return self._engine.buckets.device
+        return self._link.device
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
-        return self._group
+        return self._groups.group
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -424,14 +377,14 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         gets an error within ``state_dict_timeout_s`` naming the ranks that did not, instead of a hang.
         """
         self._check_engine()
-        check_every_rank_calls(self._helper, self._timeout, self._rank)
-        full = gather_full(self._piece_state(), self._layout, self._engine.params, self._group)
+        check_every_rank_calls(self._groups.helper, self._timeout, self._groups.rank)
+        full = gather_full(self._piece_state(), self._link.layout, self._engine.params, self._groups.group)
         return to_plain(full, self.param_groups, self._index)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's plain format (from ``state_dict``, or from an unsharded optimizer); no collective."""
         full = from_plain(state_dict, self.param_groups, self._index)
-        self._load_piece_state(pieces_from_full(full, self._layout.pieces(self._rank), self._engine.params))
+        self._load_piece_state(pieces_from_full(full, self._link.layout.pieces(self._groups.rank), self._engine.params))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_finished_init", False):
