@@ -136,3 +136,28 @@ def test_tight_bound_starts_at_the_first_gradient() -> None:
     samples = two_rounds()
     samples[sweep_stats.FIRST_GRADIENT] = [1.5, 1.5, 3.0, 3.0]  # later than forward: 1.5 + 2.5 = 4, 3 + 2 = 5
     assert sweep_stats.bound_series(samples, 2, start=sweep_stats.FIRST_GRADIENT) == [4.0, 4.0, 5.0, 5.0]
+
+
+def predecessors(orders: list[list[str]]) -> dict[str, set[str]]:
+    """Which contender ran right before each, over consecutive rounds (a round's last before the next's first)."""
+    sequence = [name for order in orders for name in order]
+    seen: dict[str, set[str]] = {name: set() for name in sequence}
+    for before, after in zip(sequence, sequence[1:]):
+        seen[after].add(before)
+    return seen
+
+
+def test_shuffled_rounds_give_each_contender_many_neighbours_where_rotation_gives_two() -> None:
+    from benchmarks.lib.common import Contender, round_order  # imports gradsync: inside the test
+
+    names = [f"c{i}" for i in range(8)]
+    contenders = [Contender(name, lambda i: None) for name in names]
+    rotated = [[c.name for c in round_order(contenders, r, shuffle=False)] for r in range(15)]
+    shuffled = [[c.name for c in round_order(contenders, r, shuffle=True)] for r in range(15)]
+    assert all(sorted(order) == names for order in rotated + shuffled)  # every contender once per round
+    # Negative control: rotated, c1 always follows c0, except where it opens a round (after c7, the last before)
+    assert predecessors(rotated)["c1"] == {"c0", "c7"}
+    assert all(len(p) >= 4 for p in predecessors(shuffled).values())
+    # Seeded by the round alone: every rank, and every call, draws the same order
+    again = [[c.name for c in round_order(contenders, r, shuffle=True)] for r in range(15)]
+    assert again == shuffled

@@ -3,7 +3,10 @@
 [Note: how an iteration is timed]
 A contender is anything with a ``step(i)`` that runs one iteration. Contenders run in
 rounds, interleaved (A B C, then B C A, ...), so slow drift on the machine hits them all
-alike and none always runs right after the same neighbour. Each block of iterations
+alike. Rotated, a contender still follows the same neighbour in all but one round of n; what
+that neighbour leaves behind (a freed heap, evicted caches) then weighs on it in every round.
+``shuffle=True`` draws each round's order instead (seeded by the round, the same on every
+rank), so each contender follows every other about equally often. Each block of iterations
 starts after a barrier, and an iteration's time is the slowest rank's (one all-reduce
 MAX per block, outside the timed region): a step is done only when every rank is.
 
@@ -96,8 +99,10 @@ def interleave(
     warmup: int,
     after_warmup: Callable[[], None] | None = None,
     blocks: dict[str, list[tuple[float, float]]] | None = None,
+    shuffle: bool = False,
 ) -> dict[str, list[float]]:
-    """Warm every contender up, then time ``rounds`` blocks of ``iters`` iterations each.
+    """Warm every contender up, then time ``rounds`` blocks of ``iters`` iterations each (rotated, or in
+    ``round_order``'s shuffled order: [Note: how an iteration is timed]).
 
     Returns each iteration's time on the slowest rank. ``blocks``, where given, receives each block's
     wall-clock on the slowest and on the fastest rank ([Note: per-step maxima and block times]).
@@ -109,14 +114,20 @@ def interleave(
         after_warmup()
     samples: dict[str, list[float]] = {c.name: [] for c in contenders}
     for r in range(rounds):
-        for k in range(len(contenders)):
-            contender = contenders[(r + k) % len(contenders)]
+        for contender in round_order(contenders, r, shuffle):
             dist.barrier()  # start each block together, so no rank's head start is timed
             times = time_block(contender, iters)
             samples[contender.name] += slowest_rank(times)
             if blocks is not None:
                 blocks.setdefault(contender.name, []).append(slowest_and_fastest_block(times))
     return samples
+
+
+def round_order(contenders: list[Contender], r: int, shuffle: bool) -> list[Contender]:
+    """Round ``r``'s order: rotated by ``r``, or drawn from a generator seeded by ``r`` (every rank alike)."""
+    if shuffle:
+        return random.Random(r).sample(contenders, len(contenders))
+    return contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
 
 
 def train_step(

@@ -254,7 +254,8 @@ def write(results: list[ShapeResult], load: MachineLoad, args: Any, command: str
         "0.3 cores; the shape table's last two columns say how long it waited and how many cores others then used "
         "while it measured",
         f"- per shape: {args.warmup} warm-up iterations per contender, then {args.rounds} rounds x {args.iters} "
-        "iterations, contenders interleaved, the starting one rotating each round; time = slowest rank's",
+        "iterations, contenders interleaved in an order drawn anew each round (seeded by the round, the same "
+        "on every rank); time = slowest rank's",
         "- iteration = zero_grad(set_to_none=True), forward, loss, backward, SGD step (lr 1e-3, momentum 0.9)",
         "- ratios: median over rounds of each round's median ratio, [90% percentile-bootstrap interval over "
         "rounds]; to the bound: each round's `max(no_comm, forward_only + raw_allreduce)` "

@@ -78,7 +78,12 @@ def measure(shape: shapes.Shape, args: Any) -> sweep_report.ShapeResult:
     during = MachineLoad()
     during.start()
     samples = interleave(
-        runs, args.rounds, args.iters, args.warmup, after_warmup=lambda: before.append(gradsync_timing(ours))
+        runs,
+        args.rounds,
+        args.iters,
+        args.warmup,
+        after_warmup=lambda: before.append(gradsync_timing(ours)),
+        shuffle=True,  # 16 contenders: rotated, each would follow the same one in 15 rounds of 16
     )
     during.stop()
     n, comm, exposed = (a - b for a, b in zip(gradsync_timing(ours), before[0]))
