@@ -3,8 +3,8 @@
 [Note: how an iteration is timed]
 A contender is anything with a ``step(i)`` that runs one iteration. Contenders run in
 rounds, interleaved (A B C, then B C A, ...), so slow drift on the machine hits them all
-alike. Rotated, a contender still follows the same neighbour in all but one round of n; what
-that neighbour leaves behind (a freed heap, evicted caches) then weighs on it in every round.
+alike. Rotated, a contender still follows the same neighbour in all but one round of n, so
+whatever that neighbour leaves behind (a freed heap, evicted caches) would weigh on it every round.
 ``shuffle=True`` draws each round's order instead (seeded by the round, the same on every
 rank), so each contender follows every other about equally often. Each block of iterations
 starts after a barrier, and an iteration's time is the slowest rank's (one all-reduce

@@ -64,11 +64,10 @@ SMALL_PRODUCT = 32 * 32
 SMALL_MATRIX = 128 * 128
 
 
-def batch_of(stack: torch.Tensor, limit: int | None = None) -> int:
-    """How many of ``stack``'s matrices one operation takes: all when they have at most ``limit`` elements
-    (default ``SMALL_MATRIX``), else one. See [Note: when a stack is batched]."""
-    small = SMALL_MATRIX if limit is None else limit
-    return stack.shape[0] if stack.shape[-2] * stack.shape[-1] <= small else 1
+def batch_of(stack: torch.Tensor, limit: int = SMALL_MATRIX) -> int:
+    """How many of ``stack``'s matrices one operation takes: all when they have at most ``limit`` elements,
+    else one. See [Note: when a stack is batched]."""
+    return stack.shape[0] if stack.shape[-2] * stack.shape[-1] <= limit else 1
 
 
 def initial_q(state: Any, bucket: GradBucket, numel: int, like: torch.Tensor) -> torch.Tensor:
