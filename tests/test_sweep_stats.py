@@ -161,3 +161,25 @@ def test_shuffled_rounds_give_each_contender_many_neighbours_where_rotation_give
     # Seeded by the round alone: every rank, and every call, draws the same order
     again = [[c.name for c in round_order(contenders, r, shuffle=True)] for r in range(15)]
     assert again == shuffled
+
+
+def test_the_aa_control_is_put_through_the_same_tests_as_gradsync() -> None:
+    # Torch against its second instance: an interval wholly above 1 is the test's own false alarm, named.
+    exact = {"a": (1.0, 0.95, 1.05), "b": (1.04, 1.01, 1.08)}
+    hook = {"a": (0.97, 0.9, 1.02), "b": (1.01, 0.95, 1.06), "nan": (1.5, 1.4, 1.6)}
+    slower, faster = sweep_stats.control_targets(exact, hook, torch_nonfinite={"nan"})
+    assert not slower.passed and slower.measured == "slower on 1: b"
+    assert slower.what.startswith("torch DDP (a second instance) no slower than torch DDP")
+    assert not faster.passed and faster.measured.startswith("faster on 1 of 2") and "not on b" in faster.measured
+    assert "left out, torch's weights non-finite: nan" in faster.measured
+    # Negative control: the same code agreeing with itself on every shape passes both tests.
+    same = {"a": (0.99, 0.95, 1.03)}
+    assert all(t.passed for t in sweep_stats.control_targets(same, same))
+
+
+def test_every_control_is_a_described_contender_of_the_sweep() -> None:
+    from benchmarks.lib import contenders, sweep_report
+
+    for reference, again in sweep_stats.CONTROLS.items():
+        assert again == reference + contenders.AGAIN and again in sweep_report.CONTENDERS
+        assert reference in sweep_report.CONTENDERS and again in sweep_report.DESCRIPTIONS

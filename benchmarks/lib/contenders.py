@@ -57,6 +57,15 @@ SWEEP_DESCRIPTIONS = {
     "hook's compression arithmetic, no byte on a link",
 }
 ALONE = ("gradsync_alone", "gradsync_powersgd_r1_alone")
+# The A/A control ([Note: the A/A control] in sweep_stats.py): a setup once more, as a contender of its own.
+AGAIN = "_again"
+SWEEP_DESCRIPTIONS.update(
+    {
+        f"{name}{AGAIN}": f"a second instance of `{name}`, built from the same weights: the A/A control, put "
+        f"through the same per-shape test against `{name}` as gradsync is against it"
+        for name in ("torch_ddp", "torch_powersgd_r1")
+    }
+)
 _solo_groups: dict[int, dist.ProcessGroup] = {}
 
 
@@ -72,6 +81,8 @@ def solo_group() -> dist.ProcessGroup:
 
 def build(name: str, module: nn.Module, cap: Cap = None) -> tuple[nn.Module, Callable[[], None] | None]:
     """``(model, after_backward)`` for contender ``name``; ``cap`` is for ``gradsync_best``."""
+    if name.endswith(AGAIN) and name.removesuffix(AGAIN) in SWEEP_DESCRIPTIONS | DESCRIPTIONS:
+        return build(name.removesuffix(AGAIN), module, cap)
     if name == "gradsync":
         return GradsyncDDP(module), None
     if name == "gradsync_best" or name == "gradsync_fused" or name.startswith("gradsync_view_"):

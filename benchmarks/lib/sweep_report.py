@@ -21,7 +21,8 @@ GRADSYNC_HOOKS = ("gradsync_powersgd_r1", "gradsync_powersgd_r4", "gradsync_int8
 TORCH_HOOKS = ("torch_powersgd_r1", "torch_powersgd_r4")
 HOOKS = (*GRADSYNC_HOOKS, *TORCH_HOOKS)
 ALONE = contenders.ALONE  # the CPU floors: gradsync and its PowerSGD r=1 over a group of one rank
-CONTENDERS = (NO_COMM, *EXACT, *HOOKS)
+CONTROLS = sweep_stats.CONTROLS  # the A/A control: reference -> its second instance
+CONTENDERS = (NO_COMM, *EXACT, *HOOKS, *CONTROLS.values())
 DESCRIPTIONS = {**contenders.DESCRIPTIONS, **contenders.SWEEP_DESCRIPTIONS}
 
 
@@ -89,7 +90,26 @@ def targets(results: list[ShapeResult]) -> list[str]:
     ]
     lines = ["| target | measured | result |", "|---|---|:---:|"]
     lines += [f"| {t.what} | {t.measured} | {'pass' if t.passed else '**fail**'} |" for t in found]
+    if _has_controls(results):
+        lines += [
+            f"| A/A control: {t.what} | {t.measured} | {'would pass' if t.passed else 'would fail'} |"
+            for t in _controls(results)
+        ]
     return lines
+
+
+def _has_controls(results: list[ShapeResult]) -> bool:
+    return all(name in r.samples for r in results for name in CONTROLS.values())
+
+
+def _controls(results: list[ShapeResult]) -> list[sweep_stats.Target]:
+    """The per-shape tests with torch against its second instance ([Note: the A/A control] in sweep_stats.py)."""
+    exact, hook = CONTROLS["torch_ddp"], CONTROLS["torch_powersgd_r1"]
+    return sweep_stats.control_targets(
+        {r.name: r.to(exact, "torch_ddp") for r in results},
+        {r.name: r.to(hook, "torch_powersgd_r1") for r in results},
+        {r.name for r in results if {"torch_powersgd_r1", hook} & set(r.nonfinite)},
+    )
 
 
 def _alone_median(results: list[ShapeResult], name: str) -> float | None:
@@ -164,9 +184,10 @@ def exact_table(results: list[ShapeResult]) -> list[str]:
     lines = [
         "| shape | compute / byte | gradsync / bound | auto / bound | torch_ddp / bound | gradsync / torch_ddp "
         "| gradsync / tight bound | torch_ddp / tight bound | gradsync / CPU floor | gradsync_alone / no_comm "
-        "| gradsync ms | torch_ddp ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| gradsync ms | torch_ddp ms | A/A: torch_ddp_again / torch_ddp |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    again = CONTROLS["torch_ddp"]
     for r in results:
         cells = " | ".join(_mark(r, name, _ci(r.to_bound(name))) for name in EXACT)
         alone = _ci(r.to("gradsync_alone", NO_COMM)) if "gradsync_alone" in r.samples else "-"
@@ -174,7 +195,8 @@ def exact_table(results: list[ShapeResult]) -> list[str]:
         lines.append(
             f"| {r.name} | {r.compute_per_byte():.2f} | {cells} | {_ci(r.to('gradsync', 'torch_ddp'))} "
             f"| {_ci(r.to_bound('gradsync', FIRST_GRADIENT))} | {_ci(r.to_bound('torch_ddp', FIRST_GRADIENT))} "
-            f"| {cpu_floor} | {alone} | {r.median_ms('gradsync'):.1f} | {r.median_ms('torch_ddp'):.1f} |"
+            f"| {cpu_floor} | {alone} | {r.median_ms('gradsync'):.1f} | {r.median_ms('torch_ddp'):.1f} "
+            f"| {_ci(r.to(again, 'torch_ddp')) if again in r.samples else '-'} |"
         )
     return lines
 
@@ -182,15 +204,17 @@ def exact_table(results: list[ShapeResult]) -> list[str]:
 def hook_table(results: list[ShapeResult]) -> list[str]:
     lines = [
         "| shape | compute / byte | " + " | ".join(f"{h} / no_comm" for h in HOOKS) + " | gradsync / torch r=1 "
-        "| gradsync / torch r=4 | gradsync_powersgd_r1_alone / no_comm |",
-        "|---|---:|" + "---:|" * (len(HOOKS) + 3),
+        "| gradsync / torch r=4 | gradsync_powersgd_r1_alone / no_comm | A/A: torch r=1 again / torch r=1 |",
+        "|---|---:|" + "---:|" * (len(HOOKS) + 4),
     ]
+    again = CONTROLS["torch_powersgd_r1"]
     for r in results:
         cells = " | ".join(_mark(r, h, _ci(r.to(h, NO_COMM))) for h in HOOKS)
         versus = " | ".join(_ci(r.to(f"gradsync_powersgd_r{k}", f"torch_powersgd_r{k}")) for k in (1, 4))
         alone = "gradsync_powersgd_r1_alone"
         floor = _ci(r.to(alone, NO_COMM)) if alone in r.samples else "-"
-        lines.append(f"| {r.name} | {r.compute_per_byte():.2f} | {cells} | {versus} | {floor} |")
+        control = _mark(r, again, _ci(r.to(again, "torch_powersgd_r1"))) if again in r.samples else "-"
+        lines.append(f"| {r.name} | {r.compute_per_byte():.2f} | {cells} | {versus} | {floor} | {control} |")
     return lines
 
 
