@@ -183,3 +183,17 @@ def test_every_control_is_a_described_contender_of_the_sweep() -> None:
     for reference, again in sweep_stats.CONTROLS.items():
         assert again == reference + contenders.AGAIN and again in sweep_report.CONTENDERS
         assert reference in sweep_report.CONTENDERS and again in sweep_report.DESCRIPTIONS
+
+
+def test_even_odds_ratio_by_hand() -> None:
+    # Log ratios +-0.05: sd 0.05. Two shapes: z = Phi^-1(sqrt(0.5)) = 0.5449, so exp(-0.5449 * 0.05).
+    import math
+
+    control = {"a": (math.exp(0.05), 0.0, 0.0), "b": (math.exp(-0.05), 0.0, 0.0)}
+    spread, needed = sweep_stats.even_odds_ratio(control)
+    assert spread == pytest.approx(0.05) and needed == pytest.approx(math.exp(-0.5449 * 0.05), abs=1e-4)
+    # More shapes at the same spread ask for more: 24 of them, z = Phi^-1(0.5 ** (1 / 24)) = 1.9038.
+    many = {f"s{k}": (math.exp(0.05 if k % 2 else -0.05), 0.0, 0.0) for k in range(24)}
+    assert sweep_stats.even_odds_ratio(many)[1] == pytest.approx(math.exp(-1.9038 * 0.05), abs=1e-4)
+    # Negative control: no spread, no advantage needed.
+    assert sweep_stats.even_odds_ratio({"a": (1.0, 0.0, 0.0), "b": (1.0, 0.0, 0.0)}) == (0.0, 1.0)
