@@ -197,3 +197,19 @@ def test_even_odds_ratio_by_hand() -> None:
     assert sweep_stats.even_odds_ratio(many)[1] == pytest.approx(math.exp(-1.9038 * 0.05), abs=1e-4)
     # Negative control: no spread, no advantage needed.
     assert sweep_stats.even_odds_ratio({"a": (1.0, 0.0, 0.0), "b": (1.0, 0.0, 0.0)}) == (0.0, 1.0)
+
+
+def test_pooled_ratio_by_hand() -> None:
+    import math
+
+    # Two shapes, 2 iterations a round. Round ratios of medians: 1.1 and 1.1 (shape a), 0.9 and 1.0 (shape b).
+    a = ([1.1, 1.1, 2.2, 2.2], [1.0, 1.0, 2.0, 2.0], 2)
+    b = ([0.9, 0.9, 3.0, 3.0], [1.0, 1.0, 3.0, 3.0], 2)
+    ratio, low, high = sweep_stats.pooled_ratio([a, b])
+    logs = [math.log(1.1), math.log(1.1), math.log(0.9), 0.0]
+    mean = sum(logs) / 4
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 3)
+    assert ratio == pytest.approx(math.exp(mean))
+    assert (low, high) == (pytest.approx(math.exp(mean - 1.96 * sd / 2)), pytest.approx(math.exp(mean + 1.96 * sd / 2)))
+    # Negative control: a contender equal to its reference in every round pools to exactly 1.
+    assert sweep_stats.pooled_ratio([(a[1], a[1], 2), (b[1], b[1], 2)]) == (1.0, 1.0, 1.0)

@@ -65,9 +65,9 @@ class ShapeResult:
         return sweep_stats.to_reference(self.samples, name, reference, self.iters)
 
 
-def _ci(interval: Interval) -> str:
+def _ci(interval: Interval, digits: int = 2) -> str:
     ratio, low, high = interval
-    return f"{ratio:.2f} [{low:.2f}, {high:.2f}]"
+    return f"{ratio:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
 # ---------------------------------------------------------------------- sections
@@ -95,7 +95,20 @@ def targets(results: list[ShapeResult]) -> list[str]:
             f"| A/A control: {t.what} | {t.measured} | {'would pass' if t.passed else 'would fail'} |"
             for t in _controls(results)
         ]
+        for name, reference in (("gradsync", "torch_ddp"), ("gradsync_powersgd_r1", "torch_powersgd_r1")):
+            again = CONTROLS[reference]
+            lines.append(
+                f"| pooled over every shape's rounds (geometric mean, 95%): {name} / {reference}; the A/A, "
+                f"{again} / {reference} | {_ci(_pooled(results, name, reference), 3)}; "
+                f"{_ci(_pooled(results, again, reference), 3)} | - |"
+            )
     return lines
+
+
+def _pooled(results: list[ShapeResult], name: str, reference: str) -> Interval:
+    """``sweep_stats.pooled_ratio`` over the shapes where neither contender's weights went non-finite."""
+    usable = [r for r in results if not {name, reference} & set(r.nonfinite)]
+    return sweep_stats.pooled_ratio([(r.samples[name], r.samples[reference], r.iters) for r in usable])
 
 
 def _has_controls(results: list[ShapeResult]) -> bool:

@@ -162,6 +162,24 @@ def even_odds_ratio(control: dict[str, Interval]) -> tuple[float, float]:
     return spread, math.exp(-z * spread)
 
 
+def pooled_ratio(per_shape: list[tuple[list[float], list[float], int]]) -> Interval:
+    """One ratio over every shape: the geometric mean of all rounds' ratios, with a 95% normal interval.
+
+    ``per_shape``: each shape's ``(samples, reference samples, iters)``. A round's ratio is its median step
+    over the reference's median step in the same round, as in ``paired_ratio``; pooling the rounds of every
+    shape answers "slower or not, over the sweep" to a resolution no single shape's five rounds give
+    ([Note: the A/A control]).
+    """
+    logs = []
+    for samples, reference, iters in per_shape:
+        for r in range(len(samples) // iters):
+            part = slice(r * iters, (r + 1) * iters)
+            logs.append(math.log(statistics.median(samples[part]) / statistics.median(reference[part])))
+    mean = statistics.fmean(logs)
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 def control_targets(
     exact_vs_self: dict[str, Interval], hook_vs_self: dict[str, Interval], torch_nonfinite: Collection[str] = ()
 ) -> list[Target]:
