@@ -164,6 +164,20 @@ def summarise(times: list[float]) -> Summary:
     return Summary(statistics.median(ms), p90, len(ms))
 
 
+def round_ratios(
+    samples: list[float],
+    reference: list[float],
+    iters: int,
+    statistic: Callable[[list[float]], float] = statistics.median,
+) -> list[float]:
+    """Each round's ``statistic`` of ``samples`` over that of ``reference`` in the same round."""
+    rounds = min(len(samples), len(reference)) // iters
+    return [
+        statistic(samples[r * iters : (r + 1) * iters]) / statistic(reference[r * iters : (r + 1) * iters])
+        for r in range(rounds)
+    ]
+
+
 def paired_ratio(
     samples: list[float],
     reference: list[float],
@@ -179,11 +193,8 @@ def paired_ratio(
     per-round ratio cancels drift that the ratio of overall medians keeps. The interval is a
     percentile bootstrap over rounds (fixed seed, so a report can be regenerated).
     """
-    rounds = min(len(samples), len(reference)) // iters
-    per_round = [
-        statistic(samples[r * iters : (r + 1) * iters]) / statistic(reference[r * iters : (r + 1) * iters])
-        for r in range(rounds)
-    ]
+    per_round = round_ratios(samples, reference, iters, statistic)
+    rounds = len(per_round)
     rng = random.Random(0)
     resamples = sorted(statistics.median(rng.choices(per_round, k=rounds)) for _ in range(BOOTSTRAP_RESAMPLES))
     low = resamples[int(0.05 * BOOTSTRAP_RESAMPLES)]

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from benchmarks.lib.common import paired_ratio
+from benchmarks.lib.common import paired_ratio, round_ratios
 
 NO_COMM, FORWARD, RAW, FIRST_GRADIENT = "no_comm", "forward_only", "raw_allreduce", "to_first_gradient"
 Samples = dict[str, list[float]]
@@ -170,11 +170,7 @@ def pooled_ratio(per_shape: list[tuple[list[float], list[float], int]]) -> Inter
     shape answers "slower or not, over the sweep" to a resolution no single shape's five rounds give
     ([Note: the A/A control]).
     """
-    logs = []
-    for samples, reference, iters in per_shape:
-        for r in range(len(samples) // iters):
-            part = slice(r * iters, (r + 1) * iters)
-            logs.append(math.log(statistics.median(samples[part]) / statistics.median(reference[part])))
+    logs = [math.log(ratio) for args in per_shape for ratio in round_ratios(*args)]
     mean = statistics.fmean(logs)
     half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
@@ -192,4 +188,4 @@ def control_targets(
         f"; spread over shapes (sd of log ratio) {spread:.3f}: faster on all {len(compared)} with even odds takes "
         f"{needed:.3f} or less on each"
     )
-    return [slower, Target(faster.what, faster.passed, faster.measured + odds)]
+    return [slower, replace(faster, measured=faster.measured + odds)]
