@@ -33,6 +33,7 @@ STUDIES: dict[str, tuple[str, bool, str]] = {
     "iteration": (TORCHRUN, False, ""),
     "suite": (TORCHRUN, True, ""),
     "sweep": (TORCHRUN, True, ""),
+    "parity": (TORCHRUN, True, ""),
     "scaling": (LAUNCHER, True, ""),
     "hooks": (TORCHRUN, True, ""),
     "ab": (TORCHRUN, True, " --before REV --label NAME"),
