@@ -28,6 +28,7 @@ how quiet the machine really was, not just how quiet it was when we started.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import hashlib
 import os
@@ -269,6 +270,21 @@ def wait_for_quiet(max_cores: float = 0.3, window_s: float = 5.0, max_wait_s: fl
         if dist.get_rank() == 0:
             print(f"other processes use {others.item():.2f} cores; waiting for a quiet machine", flush=True)
         time.sleep(20.0)
+
+
+def add_shape_study_options(parser: argparse.ArgumentParser, kind: str) -> None:
+    """The options the studies over lib/shapes.py's grid share: ``--wait-for-quiet``, ``--label``, ``--link``."""
+    parser.add_argument(
+        "--wait-for-quiet",
+        type=float,
+        default=30.0,
+        help="before each shape, wait up to this many seconds for other processes to use under 0.3 cores (0: never)",
+    )
+    parser.add_argument("--label", default="", help=f"appended to the report's name: {kind}-LABEL[-RATE].md")
+    parser.add_argument(
+        "--link",
+        help="rate of a shaped loopback link (1gbit, 10gbit, ...): start with python, not torchrun (see lib/link.py)",
+    )
 
 
 def free_port() -> int:

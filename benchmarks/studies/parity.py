@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.lib import instance_stats, launch, link, shapes
-from benchmarks.lib.common import MachineLoad, environment_lines, interleave, report_path, today, wait_for_quiet
+from benchmarks.lib import common, instance_stats, launch, link, shapes
+from benchmarks.lib.common import MachineLoad
 from benchmarks.studies import suite, sweep
 
 # --pair: (gradsync's contender, torch's), lib/contenders.py's names; what the report calls them.
@@ -106,7 +106,7 @@ def measure(shape: shapes.Shape, args: Any) -> ShapeParity:
             run = suite.make_contender(name, workload, base, batches, None)
             run.name = instance_names(name, args.instances)[k]
             runs.append(run)
-    samples = interleave(runs, args.rounds, args.iters, args.warmup, shuffle=True)
+    samples = common.interleave(runs, args.rounds, args.iters, args.warmup, shuffle=True)
     nonfinite = sweep.nonfinite_contenders(runs)
     runs.clear()  # both DDPs hold reference cycles: free them while the process group lives
     gc.collect()
@@ -142,8 +142,8 @@ def report(all_rows: list[ShapeParity], load: MachineLoad, args: Any, command: s
     pooled_ours_aa = instance_stats.pooled_over_shapes([r.ours_aa.ratio for r in rows])
     spread = [r.vs_torch.instance_sd / r.vs_torch.rounds_se for r in rows if r.vs_torch.rounds_se > 0]
     half = args.instances // 2
-    lines = [f"# Parity: {ours_label} against {theirs_label}, {args.instances} instances each ({today()})", ""]
-    lines += [*environment_lines(command), f"- machine load: {load.describe()}"]
+    lines = [f"# Parity: {ours_label} against {theirs_label}, {args.instances} instances each ({common.today()})", ""]
+    lines += [*common.environment_lines(command), f"- machine load: {load.describe()}"]
     lines += [
         f"- per shape: {args.instances} instances of {ours_label} and of {theirs_label} from the same weights (built "
         f"in pairs, which of a pair first alternating), {args.warmup} warm-up iterations, then {args.rounds} rounds "
@@ -204,6 +204,14 @@ def report(all_rows: list[ShapeParity], load: MachineLoad, args: Any, command: s
     return [*lines, ""]
 
 
+def write_report(rows: list[ShapeParity], load: MachineLoad, args: Any) -> Path:
+    """``results/YYYY-MM-DD-parity[-PAIR][-LABEL][-RATE].md``; the exact pair and no label add nothing to the name."""
+    kind = "-".join(["parity", *([args.pair] if args.pair != "exact" else []), *([args.label] if args.label else [])])
+    path = common.report_path(kind)
+    path.write_text("\n".join(report(rows, load, args, launch.command_line())))
+    return path
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     names = [s.name for s in shapes.GRID]
@@ -215,17 +223,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="iterations per instance before timing (>= 3)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--iters", type=int, default=2, help="iterations per instance per round")
-    parser.add_argument(
-        "--wait-for-quiet",
-        type=float,
-        default=30.0,
-        help="before each shape, wait up to this many seconds for other processes to use under 0.3 cores (0: never)",
-    )
-    parser.add_argument("--label", default="", help="appended to the report's name: parity-LABEL[-RATE].md")
-    parser.add_argument(
-        "--link",
-        help="rate of a shaped loopback link (1gbit, 10gbit, ...): start with python, not torchrun (see lib/link.py)",
-    )
+    common.add_shape_study_options(parser, "parity")
     args = parser.parse_args()
     if args.warmup < 3:
         parser.error("--warmup must be at least 3: PowerSGD compresses from iteration 2 on")
@@ -244,20 +242,15 @@ def main() -> None:
     rows = []
     for shape in (s for s in shapes.GRID if s.name in args.shapes):
         if args.wait_for_quiet > 0:
-            wait_for_quiet(max_wait_s=args.wait_for_quiet)
+            common.wait_for_quiet(max_wait_s=args.wait_for_quiet)
         start = time.perf_counter()
         rows.append(measure(shape, args))
         if dist.get_rank() == 0:
             print(f"{shape.name}: {_fmt(rows[-1].vs_torch)} in {time.perf_counter() - start:.1f} s", flush=True)
     load.stop()
     if dist.get_rank() == 0:
-        kind = "-".join(
-            ["parity", *([args.pair] if args.pair != "exact" else []), *([args.label] if args.label else [])]
-        )
-        path: Path = report_path(kind)
-        path.write_text("\n".join(report(rows, load, args, launch.command_line())))
-        print(path.read_text())
-        print(f"report: {path}")
+        path = write_report(rows, load, args)
+        print(f"{path.read_text()}\nreport: {path}")
     dist.barrier()  # leave together: a rank tearing down gloo while its peer still runs can abort
     dist.destroy_process_group()
 

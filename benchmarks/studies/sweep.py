@@ -44,6 +44,7 @@ from benchmarks.lib import contenders, launch, link, shapes, sweep_report, sweep
 from benchmarks.lib.common import (
     Contender,
     MachineLoad,
+    add_shape_study_options,
     environment_lines,
     interleave,
     report_path,
@@ -202,17 +203,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=2, help="iterations per contender per round")
     parser.add_argument("--timeline", nargs="+", choices=names, help="instead: where the time goes on these shapes")
     parser.add_argument("--timeline-iters", type=int, default=6, help="traced steps per --timeline shape")
-    parser.add_argument(
-        "--wait-for-quiet",
-        type=float,
-        default=30.0,
-        help="before each shape, wait up to this many seconds for other processes to use under 0.3 cores (0: never)",
-    )
-    parser.add_argument("--label", default="", help="appended to the report's name: sweep-LABEL[-RATE].md")
-    parser.add_argument(
-        "--link",
-        help="rate of a shaped loopback link (1gbit, 10gbit, ...): start with python, not torchrun (see lib/link.py)",
-    )
+    add_shape_study_options(parser, "sweep")
     return parser.parse_args()
 
 
