@@ -108,6 +108,8 @@ def welch_df(var_a: float, n_a: int, var_b: float, n_b: int) -> float:
 
 def pooled_over_shapes(ratios: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
     """The geometric mean of per-shape ratios with a t interval over shapes (each shape one observation)."""
+    if not ratios:
+        raise ValueError("a pooled ratio needs at least one shape's ratio")
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
     if len(logs) < 2:

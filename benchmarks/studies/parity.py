@@ -137,6 +137,13 @@ def report(all_rows: list[ShapeParity], load: MachineLoad, args: Any, command: s
     _, _, ours_label, theirs_label = PAIRS[args.pair]
     rows = [r for r in all_rows if not r.nonfinite]
     left_out = [f"{r.name} ({', '.join(r.nonfinite)})" for r in all_rows if r.nonfinite]
+    if not rows:
+        return [
+            f"# Parity: {ours_label} against {theirs_label} ({common.today()})",
+            "",
+            f"Every shape left out: {left_out}",
+            "",
+        ]
     pooled = instance_stats.pooled_over_shapes([r.vs_torch.ratio for r in rows])
     pooled_torch_aa = instance_stats.pooled_over_shapes([r.torch_aa.ratio for r in rows])
     pooled_ours_aa = instance_stats.pooled_over_shapes([r.ours_aa.ratio for r in rows])
