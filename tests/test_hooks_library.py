@@ -274,6 +274,17 @@ def _check_powersgd_stacks_same_shaped_matrices(small_matrix: int) -> None:
     got = _run(powersgd_hook, state, make(_stacked_grad(0, rank)))
     assert torch.allclose(got, mean, atol=1e-5), (got - mean).abs().max()
     assert [(g.rows, g.cols, len(g.offsets)) for g in state.layouts[0][1].groups] == [(6, 4, 3), (7, 3, 1)]
+    # Full rank loses nothing: P = M Q at rank 3-4 (one matrix at a time, as (Q^T M^T)^T) spans each matrix.
+    full = PowerSGDState(
+        None,
+        matrix_approximation_rank=64,
+        start_iter=0,
+        min_compression_rate=0,
+        use_error_feedback=False,
+        warm_start=False,
+    )
+    got = _run(powersgd_hook, full, make(_grad(9, rank, mean.numel())))
+    assert torch.allclose(got, _mean(9, mean.numel()), atol=1e-5), (got - _mean(9, mean.numel())).abs().max()
     # With error feedback, what was applied plus what is owed is what was computed, step after step.
     state = PowerSGDState(None, start_iter=2)  # error feedback and warm start: from iteration 2
     applied, computed = torch.zeros_like(mean), torch.zeros_like(mean)
