@@ -190,6 +190,18 @@ def _assert_powersgd_of_mean(result: torch.Tensor, step: int) -> None:
         offset += n
 
 
+def _full_rank_state() -> PowerSGDState:
+    """PowerSGD at a rank above every matrix's, compressing from the first step, no memory: lossless."""
+    return PowerSGDState(
+        None,
+        matrix_approximation_rank=64,
+        start_iter=0,
+        min_compression_rate=0,
+        use_error_feedback=False,
+        warm_start=False,
+    )
+
+
 def _check_powersgd() -> None:
     rank = dist.get_rank()
     make = Buckets()
@@ -201,14 +213,7 @@ def _check_powersgd() -> None:
     _assert_powersgd_of_mean(_run(powersgd_hook, state, make(_grad(2, rank))), 2)
     assert state.wire.bytes_per_iteration[-1] == 4 * ((8 + 6) + (5 + 12) + 6 + 4)  # P, Q, vectors
     # Full rank is lossless; a rank-one average is recovered exactly at rank one.
-    full = PowerSGDState(
-        None,
-        matrix_approximation_rank=64,
-        start_iter=0,
-        min_compression_rate=0,
-        use_error_feedback=False,
-        warm_start=False,
-    )
+    full = _full_rank_state()
     assert torch.allclose(_run(powersgd_hook, full, make(_grad(3, rank))), _mean(3), atol=1e-5)
     square = Buckets([(8, 8)])
     for hook in (powersgd_hook, batched_powersgd_hook):
@@ -275,14 +280,7 @@ def _check_powersgd_stacks_same_shaped_matrices(small_matrix: int) -> None:
     assert torch.allclose(got, mean, atol=1e-5), (got - mean).abs().max()
     assert [(g.rows, g.cols, len(g.offsets)) for g in state.layouts[0][1].groups] == [(6, 4, 3), (7, 3, 1)]
     # Full rank loses nothing: P = M Q at rank 3-4 (one matrix at a time, as (Q^T M^T)^T) spans each matrix.
-    full = PowerSGDState(
-        None,
-        matrix_approximation_rank=64,
-        start_iter=0,
-        min_compression_rate=0,
-        use_error_feedback=False,
-        warm_start=False,
-    )
+    full = _full_rank_state()
     got = _run(powersgd_hook, full, make(_grad(9, rank, mean.numel())))
     assert torch.allclose(got, _mean(9, mean.numel()), atol=1e-5), (got - _mean(9, mean.numel())).abs().max()
     # With error feedback, what was applied plus what is owed is what was computed, step after step.
@@ -356,14 +354,7 @@ def _powersgd_with_the_last_bucket_skipped() -> dict[str, dict[str, Any]]:
         model = _FirstLayerUnused()
         if name == "gradsync":
             ddp = DDP(model, find_unused_parameters=True, skip_all_reduce_unused_params=True, bucket_cap_mb=0.0001)
-            lossless = PowerSGDState(
-                None,
-                matrix_approximation_rank=64,
-                start_iter=0,
-                min_compression_rate=0,
-                use_error_feedback=False,
-                warm_start=False,
-            )
+            lossless = _full_rank_state()
             ddp.register_comm_hook(lossless, powersgd_hook)
         else:
             ddp = TorchDDP(model, find_unused_parameters=True)
