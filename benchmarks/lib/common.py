@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import math
 import os
 import platform
 import random
@@ -165,6 +166,13 @@ def summarise(times: list[float]) -> Summary:
     return Summary(statistics.median(ms), p90, len(ms))
 
 
+def per_block(
+    samples: list[float], iters: int, rounds: int, statistic: Callable[[list[float]], float] = statistics.median
+) -> list[float]:
+    """``statistic`` of each of the first ``rounds`` blocks of ``iters`` iterations (one block per round)."""
+    return [statistic(samples[r * iters : (r + 1) * iters]) for r in range(rounds)]
+
+
 def round_ratios(
     samples: list[float],
     reference: list[float],
@@ -174,9 +182,17 @@ def round_ratios(
     """Each round's ``statistic`` of ``samples`` over that of ``reference`` in the same round."""
     rounds = min(len(samples), len(reference)) // iters
     return [
-        statistic(samples[r * iters : (r + 1) * iters]) / statistic(reference[r * iters : (r + 1) * iters])
-        for r in range(rounds)
+        a / b
+        for a, b in zip(per_block(samples, iters, rounds, statistic), per_block(reference, iters, rounds, statistic))
     ]
+
+
+def geometric_mean_interval(ratios: list[float], quantile: float) -> tuple[float, float, float]:
+    """The geometric mean of ``ratios`` and ``mean +- quantile * standard error`` in the log, back as ratios."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = quantile * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def paired_ratio(

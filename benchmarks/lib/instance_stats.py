@@ -30,6 +30,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from benchmarks.lib.common import geometric_mean_interval, per_block
+
 Samples = dict[str, list[float]]
 
 # Student's t quantiles for two-sided 90% (0.95) and 95% (0.975) intervals, by degrees of freedom.
@@ -56,9 +58,7 @@ def instance_levels(samples: Samples, names: list[str], iters: int) -> dict[str,
     rounds = min(len(samples[n]) for n in names) // iters
     if rounds < 1:
         raise ValueError(f"no complete round of {iters} iterations in the samples of {names}")
-    logs = {
-        n: [math.log(statistics.median(samples[n][r * iters : (r + 1) * iters])) for r in range(rounds)] for n in names
-    }
+    logs = {n: [math.log(m) for m in per_block(samples[n], iters, rounds)] for n in names}
     centre = [statistics.fmean(logs[n][r] for n in names) for r in range(rounds)]
     return {n: [value - c for value, c in zip(logs[n], centre)] for n in names}
 
@@ -110,9 +110,4 @@ def pooled_over_shapes(ratios: list[float], confidence: float = 0.95) -> tuple[f
     """The geometric mean of per-shape ratios with a t interval over shapes (each shape one observation)."""
     if not ratios:
         raise ValueError("a pooled ratio needs at least one shape's ratio")
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(mean), math.exp(mean), math.exp(mean)
-    half = t_quantile(len(logs) - 1, confidence) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+    return geometric_mean_interval(ratios, t_quantile(len(ratios) - 1, confidence) if len(ratios) > 1 else 0.0)

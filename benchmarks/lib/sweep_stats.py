@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
-from benchmarks.lib.common import paired_ratio, round_ratios
+from benchmarks.lib.common import geometric_mean_interval, paired_ratio, round_ratios
 
 NO_COMM, FORWARD, RAW, FIRST_GRADIENT = "no_comm", "forward_only", "raw_allreduce", "to_first_gradient"
 Samples = dict[str, list[float]]
@@ -170,10 +170,7 @@ def pooled_ratio(per_shape: list[tuple[list[float], list[float], int]]) -> Inter
     shape answers "slower or not, over the sweep" to a resolution no single shape's five rounds give
     ([Note: the A/A control]).
     """
-    logs = [math.log(ratio) for args in per_shape for ratio in round_ratios(*args)]
-    mean = statistics.fmean(logs)
-    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+    return geometric_mean_interval([ratio for args in per_shape for ratio in round_ratios(*args)], 1.96)
 
 
 def control_targets(
