@@ -40,6 +40,7 @@ STUDIES: dict[str, tuple[str, bool, str]] = {
     "compression_task": (TORCHRUN, True, ""),
     "collective_cost": (TORCHRUN, False, ""),
     "copy_in": (SINGLE, False, ""),
+    "product_forms": (SINGLE, False, ""),
     "trace_overhead": (TORCHRUN, False, ""),
     "elastic": (LAUNCHER, False, " {overhead,recovery,all}"),
     "link_chart": (SINGLE, False, " --out PNG SUITE_REPORT..."),
@@ -52,6 +53,7 @@ STUDIES: dict[str, tuple[str, bool, str]] = {
     "gpu_host_profile": (SINGLE, False, ""),
     "gpu_launch_cost": (SINGLE, False, ""),
     "diloco_gpu": (SINGLE, False, " [--tiny]"),
+    "hook_cpu": (SINGLE, False, " --before REV --rank R"),
 }
 HEADLINE = "iteration"  # make bench
 

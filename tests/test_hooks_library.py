@@ -267,9 +267,12 @@ def _stacked_grad(step: int, rank: int) -> torch.Tensor:
     return torch.cat(pieces)
 
 
-def _check_powersgd_stacks_same_shaped_matrices(small_matrix: int) -> None:
-    # 0: every stack one matrix at a time ([Note: when a stack is batched])
-    low_rank.SMALL_MATRIX = low_rank.SMALL_PRODUCT = small_matrix
+def _check_powersgd_stacks_same_shaped_matrices(small: int | None) -> None:
+    # [Note: the forms of a stack's products]: the defaults take every form for small matrices, 0 every
+    # form for large ones (the transposed residual and output at rank 1); each bucket has a run of two
+    # matrices 29 elements apart (a strided output view) and runs of one (contiguous).
+    if small is not None:
+        low_rank.SMALL_RESIDUAL = low_rank.SMALL_OUTPUT = small
     rank = dist.get_rank()
     make = Buckets(STACKED)
     mean = sum(_stacked_grad(0, r) / W for r in range(W))
@@ -279,7 +282,7 @@ def _check_powersgd_stacks_same_shaped_matrices(small_matrix: int) -> None:
     got = _run(powersgd_hook, state, make(_stacked_grad(0, rank)))
     assert torch.allclose(got, mean, atol=1e-5), (got - mean).abs().max()
     assert [(g.rows, g.cols, len(g.offsets)) for g in state.layouts[0][1].groups] == [(6, 4, 3), (7, 3, 1)]
-    # Full rank loses nothing: P = M Q at rank 3-4 (one matrix at a time, as (Q^T M^T)^T) spans each matrix.
+    # Full rank loses nothing: P = M Q at rank 3-4 spans each matrix (the forms at rank 2 or more).
     full = _full_rank_state()
     got = _run(powersgd_hook, full, make(_grad(9, rank, mean.numel())))
     assert torch.allclose(got, _mean(9, mean.numel()), atol=1e-5), (got - _mean(9, mean.numel())).abs().max()
@@ -295,9 +298,9 @@ def _check_powersgd_stacks_same_shaped_matrices(small_matrix: int) -> None:
     assert torch.allclose(applied + debt, computed, atol=1e-5), (applied + debt - computed).abs().max()
 
 
-@pytest.mark.parametrize("small_matrix", [low_rank.SMALL_MATRIX, 0], ids=["batched", "one_by_one"])
-def test_powersgd_stacks_same_shaped_matrices(small_matrix: int) -> None:
-    run_distributed(_check_powersgd_stacks_same_shaped_matrices, W, small_matrix)
+@pytest.mark.parametrize("small", [None, 0], ids=["small_forms", "large_forms"])
+def test_powersgd_stacks_same_shaped_matrices(small: int | None) -> None:
+    run_distributed(_check_powersgd_stacks_same_shaped_matrices, W, small)
 
 
 def _check_powersgd_rounds_across_buckets() -> None:

@@ -50,28 +50,69 @@ def views(flat: torch.Tensor, shapes: list[tuple[int, int, int]]) -> list[torch.
     return out
 
 
-# [Note: when a stack is batched]
-# Stacking pays where a matrix is small and each operation's dispatch costs more than its flops. For
-# larger matrices torch's CPU batched products are slower than one product per matrix, and the size
-# where that turns differs by product (measured on one core, 16 stacked matrices, batched against one by
-# one): ``P = M Q`` (a matrix times a vector at rank 1) 20 against 19 us at 32 x 32, 58 against 26 us at
-# 64 x 64, 1139 against 130 us at 256 x 256; the output ``P Q^T`` 9 against 35 us at 32 x 32, 59 against
-# 58 us at 128 x 128, 203 against 134 us at 256 x 256; the residual ``M - P Q^T`` batched was as fast or
-# faster up to 256 x 256. So ``P = M Q`` is batched for matrices of up to ``SMALL_PRODUCT`` elements,
-# the output and the residual up to ``SMALL_MATRIX``; larger stacks go a matrix at a time (their QR
-# batched all the same: that call is cheap either way). One matrix at a time, ``P = M Q`` at rank 2 or
-# more is computed as ``(Q^T M^T)^T``: torch's CPU product of a row-major matrix by a thin one is 4-5x
-# slower than the same product with both operands transposed (one core, 2026-12-07: 122 against 25 us
-# at 128 x 1152, rank 4; 152 against 36 us at 768 x 256; 37 against 11 us at 384 x 128; at rank 1,
-# a matrix times a vector, the plain product is the faster, 7.5 against 10 us at 128 x 1152).
-SMALL_PRODUCT = 32 * 32
-SMALL_MATRIX = 128 * 128
+# [Note: the forms of a stack's products]
+# A round runs four products per stack of same-shaped matrices: ``P = M Q``, ``Q = M^T P``, the residual
+# ``M -= P Q^T`` (error feedback) and the output ``P Q^T`` (written to the bucket). On CPU the same product costs up to
+# 10x more in one form than in another, and which form wins depends on the rank and the matrix size, not on
+# the model. ``python -m benchmarks product_forms`` times every form against the one used here
+# (benchmarks/results/2026-12-07-product-forms.md: one core, microseconds for a stack of k matrices):
+#
+# - ``P = M Q`` as ``(Q^T M^T)^T`` on the whole stack, at every rank and size: 8 x (512 x 128) 40 at rank 1
+#   and 88 at rank 4, against 70 and 148 a matrix at a time (the forms before) and 296 and 362 for ``M Q``
+#   batched; 400 x (32 x 32) 43 and 98 against 205 and 256 for ``M Q`` batched (the form before there). On
+#   the smallest stacks (16 x (16 x 16), 8 x (10 x 128)) ``M Q`` batched is 2-5 us faster; not worth a branch.
+# - ``Q = M^T P`` as ``(P^T M)^T`` on the whole stack: within 10% of the fastest form in every case but
+#   the smallest ones (the same form timed twice differs as much), 8 x (128 x 128) at rank 1: 10 against
+#   51 a matrix at a time and 96 for ``M^T P`` batched.
+# - the residual: ``M.baddbmm_(P, Q^T)`` on the whole stack, except at rank 1 (an outer product) above
+#   ``SMALL_RESIDUAL`` elements, where the batched call slows down 3-5x (8 x (128 x 128): 65) and the same
+#   update through the transposed view, ``M^T.baddbmm_(Q, P^T)``, does not (19); at rank 4, 8 x (512 x 128):
+#   51 against 87 a matrix at a time (the form before above 128 x 128).
+# - the output into its view of the bucket (strided when a bias lies between two weights): up to
+#   ``SMALL_OUTPUT`` elements one batched product, into the view when it is contiguous and through a
+#   temporary when it is not (400 x (32 x 32) strided: 112 against 311 straight into the view); above it
+#   straight into the view, as ``(Q P^T)^T`` at rank 1 (8 x (512 x 128) contiguous: 36 against 75).
+#
+# Every form is the same arithmetic per element (sums of ``r`` or ``rows`` products; only their order may
+# differ), issued identically on every rank, so replicas stay bitwise equal. At rank 2 every form of ``P = M Q``
+# is about twice as slow as at rank 4 on this CPU (torch's kernel choice; left as it is).
+SMALL_RESIDUAL = 2048
+SMALL_OUTPUT = 96 * 96
 
 
-def batch_of(stack: torch.Tensor, limit: int = SMALL_MATRIX) -> int:
-    """How many of ``stack``'s matrices one operation takes: all when they have at most ``limit`` elements,
-    else one. See [Note: when a stack is batched]."""
-    return stack.shape[0] if stack.shape[-2] * stack.shape[-1] <= limit else 1
+def _numel_each(stack: torch.Tensor) -> int:
+    return stack.shape[-2] * stack.shape[-1]
+
+
+def project(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> None:
+    """``p = m q`` for a stack of matrices, as ``(q^T m^T)^T`` ([Note: the forms of a stack's products])."""
+    p.copy_(torch.matmul(q.transpose(-2, -1), m.transpose(-2, -1)).transpose(-2, -1))
+
+
+def back_project(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+    """``q = m^T p`` for a stack of matrices, as ``(p^T m)^T`` ([Note: the forms of a stack's products])."""
+    q.copy_(torch.matmul(p.transpose(-2, -1), m).transpose(-2, -1))
+
+
+def subtract_product(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+    """``m -= p q^T`` in place, without a temporary ([Note: the forms of a stack's products])."""
+    if p.shape[-1] == 1 and _numel_each(m) > SMALL_RESIDUAL:
+        m.transpose(-2, -1).baddbmm_(q, p.transpose(-2, -1), alpha=-1)
+    else:
+        m.baddbmm_(p, q.transpose(-2, -1), alpha=-1)
+
+
+def write_product(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
+    """``out = p q^T``, ``out`` a stack's (possibly strided) view ([Note: the forms of a stack's products])."""
+    if _numel_each(out) <= SMALL_OUTPUT:
+        if out.is_contiguous():
+            torch.matmul(p, q.transpose(-2, -1), out=out)
+        else:
+            out.copy_(torch.matmul(p, q.transpose(-2, -1)))
+    elif p.shape[-1] == 1:
+        torch.matmul(q, p.transpose(-2, -1), out=out.transpose(-2, -1))
+    else:
+        torch.matmul(p, q.transpose(-2, -1), out=out)
 
 
 def initial_q(state: Any, bucket: GradBucket, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -119,12 +160,7 @@ class LowRankRound:
         self.q_flat = initial_q(state, bucket, sum(k * a * b for k, a, b in q_shapes), like)
         self.ps, self.qs = views(self.p_flat, p_shapes), views(self.q_flat, q_shapes)
         for m, p, q in zip(matrices, self.ps, self.qs):
-            b = batch_of(m, SMALL_PRODUCT)
-            for m_part, p_part, q_part in zip(m.split(b), p.split(b), q.split(b)):
-                if b == 1 and q_part.shape[-1] > 1:  # [Note: when a stack is batched]: P^T = Q^T M^T at rank 2 or more
-                    p_part.copy_(torch.matmul(q_part.transpose(-2, -1), m_part.transpose(-2, -1)).transpose(-2, -1))
-                else:
-                    torch.matmul(m_part, q_part, out=p_part)
+            project(m, q, p)
         state.wire.add_all_reduce(self.p_flat)
         self.p_work = dist.all_reduce(self.p_flat, group=state.process_group, async_op=True)
 
@@ -136,13 +172,9 @@ class LowRankRound:
             for p in self.ps:
                 orthonormalise(p)
             for m, p, q in zip(self.matrices, self.ps, self.qs):
-                # Q = M^T P, computed as (P^T M)^T: reading M row-major is ~10x faster on CPU than
-                # through the transposed view. Overwrites the Q the P came from (warm start keeps it).
-                q.copy_(torch.matmul(p.transpose(-2, -1), m).transpose(-2, -1))
-                if state.use_error_feedback:  # M - P Q^T in place, without a temporary
-                    b = batch_of(m)
-                    for m_part, p_part, q_part in zip(m.split(b), p.split(b), q.split(b)):
-                        m_part.baddbmm_(p_part, q_part.transpose(-2, -1), alpha=-1)
+                back_project(m, p, q)  # overwrites the Q the P came from (warm start keeps it)
+                if state.use_error_feedback:
+                    subtract_product(m, p, q)
             state.wire.add_all_reduce(self.q_flat)
             q_future = dist.all_reduce(self.q_flat, group=state.process_group, async_op=True).get_future()
         except Exception as error:  # noqa: BLE001 - handed to whoever waits for the bucket

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.grad_bucket import GradBucket
-from .low_rank import batch_of
+from .low_rank import write_product
 
 
 def matrix_shape(grad: torch.Tensor) -> tuple[int, int] | None:
@@ -199,10 +199,7 @@ class MatrixGroups:
         for group, p, q in zip(self.groups, ps, qs):
             first = 0
             for run in group.runs:
-                out = next(views)
-                b, part = batch_of(out), slice(first, first + run.count)
-                for out_part, p_part, q_part in zip(out.split(b), p[part].split(b), q[part].split(b)):
-                    torch.matmul(p_part, q_part.transpose(-2, -1), out=out_part)
+                write_product(next(views), p[first : first + run.count], q[first : first + run.count])
                 first += run.count
 
     def write_plain(self, buffer: torch.Tensor, averaged: torch.Tensor) -> None:
