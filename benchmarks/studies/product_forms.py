@@ -90,6 +90,21 @@ def t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-2, -1)
 
 
+Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def four_ways(
+    mine: Form, plain: tuple[str, Product], transposed: tuple[str, Product], *stacks: torch.Tensor
+) -> dict[str, Form]:
+    """The hook's call, and a product written plainly and through transposed operands, each batched and one by one."""
+    forms = {"gradsync": mine}
+    for name, product in (plain, transposed):
+        forms[f"{name} batched"] = lambda product=product: product(*stacks)
+    for name, product in (plain, transposed):
+        forms[f"{name} one by one"] = one_by_one(product, *stacks)
+    return forms
+
+
 def projection_forms(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> dict[str, Form]:
     def plain(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> None:
         torch.matmul(m, q, out=p)
@@ -97,13 +112,7 @@ def projection_forms(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> dict[
     def transposed(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> None:
         p.copy_(t(torch.matmul(t(q), t(m))))
 
-    return {
-        "gradsync": lambda: low_rank.project(m, q, p),
-        "M Q batched": lambda: plain(m, q, p),
-        "(Q^T M^T)^T batched": lambda: transposed(m, q, p),
-        "M Q one by one": one_by_one(plain, m, q, p),
-        "(Q^T M^T)^T one by one": one_by_one(transposed, m, q, p),
-    }
+    return four_ways(lambda: low_rank.project(m, q, p), ("M Q", plain), ("(Q^T M^T)^T", transposed), m, q, p)
 
 
 def back_projection_forms(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> dict[str, Form]:
@@ -113,13 +122,7 @@ def back_projection_forms(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> 
     def transposed(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
         q.copy_(t(torch.matmul(t(p), m)))
 
-    return {
-        "gradsync": lambda: low_rank.back_project(m, p, q),
-        "M^T P batched": lambda: plain(m, p, q),
-        "(P^T M)^T batched": lambda: transposed(m, p, q),
-        "M^T P one by one": one_by_one(plain, m, p, q),
-        "(P^T M)^T one by one": one_by_one(transposed, m, p, q),
-    }
+    return four_ways(lambda: low_rank.back_project(m, p, q), ("M^T P", plain), ("(P^T M)^T", transposed), m, p, q)
 
 
 def residual_forms(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> dict[str, Form]:
