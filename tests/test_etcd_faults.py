@@ -8,6 +8,10 @@ etcd members must change no bit of the result. Skipped, with the reason, where e
 
 from __future__ import annotations
 
+import http.server
+import json
+import socket
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradsync.elastic import etcd_store
 from gradsync.elastic.etcd_store import EtcdStore, EtcdUnavailable
 
 from elastic_support import committed_batches, max_difference, replay
@@ -151,3 +156,70 @@ def _result(out: Path, name: str) -> dict:
     import json
 
     return json.loads((out / f"{name}.json").read_text())
+
+
+class _SlowLoneMember:
+    """A stand-in for the one etcd member left after a quorum loss, on a loaded machine: every key-value
+    request fails as etcd's does without a leader (HTTP 503, gRPC UNAVAILABLE), and its first
+    ``slow_probes`` status probes are answered only after ``stall_s``."""
+
+    def __init__(self, slow_probes: int, stall_s: float) -> None:
+        member = self
+        self.status_requests = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/v3/maintenance/status":
+                    member.status_requests += 1
+                    if member.status_requests <= slow_probes:
+                        time.sleep(stall_s)
+                    status, body = 200, {"header": {}, "leader": "0", "version": "3.5"}
+                else:
+                    status, body = 503, {"code": 14, "message": "etcdserver: no leader"}
+                data = json.dumps(body).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the probe gave up on this slow answer, as it is meant to
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:  # bound, then closed: a member whose machine is gone refuses at once
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("slow_probes, counted", [(0, 1), (1, 1), (2, 0)])
+def test_a_lone_member_slow_to_answer_its_first_status_probe_is_still_counted(slow_probes: int, counted: int) -> None:
+    """The quorum-loss message counts the members that answer. A survivor that misses one probe's
+    timeout (seen once in a full suite) is asked again and counted; one that misses every try is not
+    (the negative control), and the two gone members, which refuse, are never waited for."""
+    lone = _SlowLoneMember(slow_probes, stall_s=etcd_store._PROBE_TIMEOUT_S + 0.5)
+    try:
+        store = EtcdStore([lone.endpoint, _closed_port(), _closed_port()], timedelta(seconds=0.5))
+        started = time.monotonic()
+        with pytest.raises(EtcdUnavailable) as raised:
+            store.set("k", "v")
+        elapsed = time.monotonic() - started
+    finally:
+        lone.close()
+    message = str(raised.value)
+    assert f"{counted} of 3 members answered" in message and "lost its quorum" in message, message
+    assert lone.status_requests == min(slow_probes + 1, etcd_store._PROBE_TRIES)
+    assert elapsed < 0.5 + etcd_store._PROBE_TIMEOUT_S * etcd_store._PROBE_TRIES + 1.0, elapsed

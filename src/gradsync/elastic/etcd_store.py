@@ -54,7 +54,11 @@ import torch.distributed as dist
 DEFAULT_REQUEST_TIMEOUT_S = 0.5
 _TXN_MAX_OPS = 128  # etcd's default --max-txn-ops
 _RETRIED_CODES = {2, 4, 8, 10, 14}  # gRPC UNKNOWN (dropped proposal), DEADLINE, EXHAUSTED, ABORTED, UNAVAILABLE
-_PROBE_TIMEOUT_S = 2.0  # a member's status, asked in parallel when saying why nothing answered
+# A member's status, asked in parallel when saying why nothing answered. A probe that times out is
+# asked once more: a lone member on a loaded machine has been seen to miss one 2 s probe (a full
+# suite on 2 cores) and then be counted as gone; a refused connection is final.
+_PROBE_TIMEOUT_S = 1.5
+_PROBE_TRIES = 2
 _marks = itertools.count(1)
 # Every EtcdStore ever made, kept alive: torch's C++ side (a PrefixStore, a gloo group) holds the
 # C++ half of a Python store but not the Python object, whose methods it calls; were the object
@@ -69,6 +73,10 @@ class EtcdUnavailable(dist.DistStoreError):
 
 class _Unanswered(Exception):
     """One request to one member failed in a way another member (or a later try) may not."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out  # no answer in time, as opposed to refused or failed outright
 
 
 def _b64(data: str | bytes) -> str:
@@ -320,7 +328,8 @@ class EtcdStore(dist.Store):
             data = reply.read()
         except (OSError, http.client.HTTPException) as error:
             connection.close()
-            raise _Unanswered(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__) from None
+            message = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            raise _Unanswered(message, timed_out=isinstance(error, TimeoutError)) from None
         answer = json.loads(data) if data else {}
         if reply.status == 200:
             return answer
@@ -332,11 +341,16 @@ class EtcdStore(dist.Store):
 
     def _status(self, endpoint: str) -> dict[str, Any] | None:
         """A member's status (None: no answer). Asked from a pool thread: a connection of its own, not
-        the one a failed request left behind."""
-        try:
-            return self._post(endpoint, "/v3/maintenance/status", b"{}", _PROBE_TIMEOUT_S)
-        except (_Unanswered, RuntimeError, ValueError):
-            return None
+        the one a failed request left behind. Asked again only after a timeout (see _PROBE_TRIES)."""
+        for _ in range(_PROBE_TRIES):
+            try:
+                return self._post(endpoint, "/v3/maintenance/status", b"{}", _PROBE_TIMEOUT_S)
+            except _Unanswered as error:
+                if not error.timed_out:
+                    return None
+            except (RuntimeError, ValueError):
+                return None
+        return None
 
     def _describe(self, failures: dict[str, str], path: str) -> str:
         """Why nothing answered: which members answer their status at all, and whether one leads."""
