@@ -329,6 +329,20 @@ def revision() -> str:
     return f"{head.stdout.strip()} + uncommitted changes in src/ (diff sha1 {fingerprint}{untracked})"
 
 
+def processor() -> str:
+    """The CPU model and the vector instructions torch's kernels use on it. Two machines of the same
+    core count can differ 3x on the same convolution (AVX-512 against AVX2), and which of two forms of a
+    product is faster can flip with it: a report without this line cannot be compared with another."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    return f"{model}, torch's CPU kernels: {capability}"
+
+
 def environment_lines(command: str) -> list[str]:
     return [
         f"Command: `{command}`",
@@ -337,7 +351,7 @@ def environment_lines(command: str) -> list[str]:
         f"(commit {revision()})",
         f"- world size {dist.get_world_size()}, backend {dist.get_backend()}, {os.cpu_count()} CPU cores on the "
         f"machine, torch threads per rank {torch.get_num_threads()}",
-        f"- {platform.platform()}",
+        f"- {platform.platform()}; {processor()}",
         f"- link: {link.describe()}",
     ]
 

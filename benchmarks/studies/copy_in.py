@@ -31,7 +31,7 @@ import torch
 
 import gradsync
 from benchmarks.lib import launch
-from benchmarks.lib.common import report_path, revision
+from benchmarks.lib.common import processor, report_path, revision
 
 SIZES = [1024, 4096, 16384, 65536, 262144, 1 << 20, 1 << 24]  # elements per gradient
 MIN_BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per bucket at least, so caches do not hold it
@@ -74,7 +74,8 @@ def main() -> None:
         f"Command: `{launch.command_line()}`",
         "",
         f"- torch {torch.__version__}, Python {platform.python_version()}, gradsync {gradsync.__version__} "
-        f"(commit {revision()}), {os.cpu_count()} CPU cores, 1 torch thread, fp32, divisor 2, median of {REPEATS}",
+        f"(commit {revision()}), {os.cpu_count()} CPU cores ({processor()}), 1 torch thread, fp32, divisor 2, "
+        f"median of {REPEATS}",
         "",
         "| elements per gradient | gradients per bucket | foreach + div_ ms | div(out=view) ms | one-pass / two-pass |",
         "|---:|---:|---:|---:|---:|",

@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
 from benchmarks.lib import launch
-from benchmarks.lib.common import free_port, paired_ratio, report_path, revision, summarise
+from benchmarks.lib.common import free_port, paired_ratio, processor, report_path, revision, summarise
 from gradsync.observability.cuda_clock import CudaClock
 
 VOCAB, CONTEXT, WIDTH, LAYERS, HEADS = 50257, 1024, 768, 12, 12
@@ -289,7 +289,7 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> list
         f"Command: `{launch.command_line()}`",
         "",
         f"- torch {torch.__version__}, Python {platform.python_version()}, gradsync {gradsync.__version__} "
-        f"(commit {revision()}), {os.cpu_count()} CPU cores, {platform.platform()}",
+        f"(commit {revision()}), {os.cpu_count()} CPU cores ({processor()}), {platform.platform()}",
         f"- GPU {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, NCCL {nccl}",
         f"- {args.rounds} rounds x {args.iters} steps per contender after {WARMUP} warm-up steps; bf16 autocast, "
         "fused AdamW",

@@ -36,7 +36,16 @@ from torch import nn
 
 import gradsync
 from benchmarks.lib import launch
-from benchmarks.lib.common import TORCH_DDP, Contender, interleave, report_path, revision, summarise, train_step
+from benchmarks.lib.common import (
+    TORCH_DDP,
+    Contender,
+    interleave,
+    processor,
+    report_path,
+    revision,
+    summarise,
+    train_step,
+)
 from benchmarks.lib.workloads import WORKLOADS as ALL_WORKLOADS
 from benchmarks.lib.workloads import Workload, gradient_size
 from gradsync import DistributedDataParallel as GradsyncDDP
@@ -108,7 +117,7 @@ def write_report(results: dict[str, dict[str, list[float]]], args: argparse.Name
         f"(commit {revision()})",
         f"- world size {dist.get_world_size()}, backend {dist.get_backend()}, CPU only, "
         f"{os.cpu_count()} CPU cores on the machine, torch threads per rank {torch.get_num_threads()}",
-        f"- {platform.platform()}",
+        f"- {platform.platform()}; {processor()}",
         f"- {args.warmup} warm-up iterations per contender, then {args.rounds} rounds x {args.iters} "
         "iterations, contenders interleaved within each round (starting contender rotating)",
         "- iteration = zero_grad, forward, loss, backward, SGD step; its time is the slowest rank's",

@@ -31,7 +31,7 @@ import torch
 
 import gradsync
 from benchmarks.lib import launch
-from benchmarks.lib.common import report_path, revision
+from benchmarks.lib.common import processor, report_path, revision
 from gradsync.hooks import low_rank
 
 # (k, rows, cols): stacks as the grid's models give them (decoders of width 128-512, MLPs of many small
@@ -213,7 +213,7 @@ def main() -> None:
         f"Command: `{launch.command_line()}`",
         "",
         f"- torch {torch.__version__}, Python {platform.python_version()}, gradsync {gradsync.__version__} "
-        f"(commit {revision()}), {os.cpu_count()} CPU cores, 1 torch thread, fp32",
+        f"(commit {revision()}), {os.cpu_count()} CPU cores ({processor()}), 1 torch thread, fp32",
         f"- microseconds per call, best of {REPEATS} means over ~10 ms of calls; every form checked against a "
         f"reference product first; a strided output has {GAP} elements between two matrices; "
         "[Note: the forms of a stack's products] in src/gradsync/hooks/low_rank.py",
