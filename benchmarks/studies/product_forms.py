@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import time
 from collections.abc import Callable
 
@@ -60,22 +61,32 @@ SLOWER = 1.10  # the hook's form counts as slower than the best other beyond thi
 Form = Callable[[], None]
 
 
-def timed(fn: Form) -> float:
-    """Best of ``REPEATS`` means over a batch of calls sized to ~10 ms, in microseconds."""
-    for _ in range(3):
-        fn()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.002:
-        fn()
-        calls += 1
-    batch = max(1, int(calls * 5))
-    samples = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        for _ in range(batch):
+def timed(forms: dict[str, Form], order: random.Random) -> dict[str, float]:
+    """Each form's best of ``REPEATS`` means over a batch of calls sized to ~10 ms, in microseconds.
+
+    The forms take turns, in an order drawn anew for each repeat: on a shared machine a slow patch of
+    a second or two (seen here: one form timed at 1.2-2x itself within a run when the forms were timed
+    one after another) then costs every form one sample, not one form all of its own."""
+    batches = {}
+    for name, fn in forms.items():
+        for _ in range(3):
             fn()
-        samples.append((time.perf_counter() - start) / batch)
-    return min(samples) * 1e6
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < 0.002:
+            fn()
+            calls += 1
+        batches[name] = max(1, int(calls * 5))
+    samples: dict[str, list[float]] = {name: [] for name in forms}
+    names = list(forms)
+    for _ in range(REPEATS):
+        order.shuffle(names)
+        for name in names:
+            fn, batch = forms[name], batches[name]
+            start = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            samples[name].append((time.perf_counter() - start) / batch)
+    return {name: min(samples[name]) * 1e6 for name in forms}
 
 
 def one_by_one(op: Callable[..., None], *stacks: torch.Tensor) -> Form:
@@ -189,14 +200,17 @@ def cases(k: int, rows: int, cols: int, r: int) -> list[tuple[str, dict[str, For
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label", help="appended to the report's name: product-forms-LABEL.md")
+    args = parser.parse_args()
     torch.set_num_threads(1)
+    order = random.Random(0)
     rows_out: list[str] = []
     slower: list[str] = []
     for k, rows, cols in STACKS:
         for r in RANKS:
             for product, forms in cases(k, rows, cols, r):
-                times = {name: timed(form) for name, form in forms.items()}
+                times = timed(forms, order)
                 mine = times.pop("gradsync")
                 best = min(times, key=times.__getitem__)
                 ratio = mine / times[best]
@@ -214,7 +228,8 @@ def main() -> None:
         "",
         f"- torch {torch.__version__}, Python {platform.python_version()}, gradsync {gradsync.__version__} "
         f"(commit {revision()}), {os.cpu_count()} CPU cores ({processor()}), 1 torch thread, fp32",
-        f"- microseconds per call, best of {REPEATS} means over ~10 ms of calls; every form checked against a "
+        f"- microseconds per call, best of {REPEATS} means over ~10 ms of calls, the forms of a case taking turns "
+        "in an order drawn anew each time; every form checked against a "
         f"reference product first; a strided output has {GAP} elements between two matrices; "
         "[Note: the forms of a stack's products] in src/gradsync/hooks/low_rank.py",
         f"- the hook's form slower than the best other by more than {SLOWER:.2f}x: {len(slower)} of {total} cases"
@@ -224,7 +239,7 @@ def main() -> None:
         "|---|---:|---|---:|---|",
         *rows_out,
     ]
-    path = report_path("product-forms")
+    path = report_path("product-forms" + (f"-{args.label}" if args.label else ""))
     path.write_text("\n".join(lines) + "\n")
     print(f"report: {path}")
 
