@@ -330,9 +330,10 @@ def revision() -> str:
 
 
 def processor() -> str:
-    """The CPU model and the vector instructions torch's kernels use on it. Two machines of the same
-    core count can differ 3x on the same convolution (AVX-512 against AVX2), and which of two forms of a
-    product is faster can flip with it: a report without this line cannot be compared with another."""
+    """The CPU model and the vector instructions torch's kernels use on it. Two 2-core machines of this
+    project ran the same step 2-3x apart (an AMD EPYC with AVX2 against the earlier reports' machine, which
+    they did not name), and which form of a product is fastest can change with the CPU: a report without
+    this line cannot be compared with another."""
     model = platform.processor() or "unknown CPU"
     try:
         with open("/proc/cpuinfo") as cpuinfo:

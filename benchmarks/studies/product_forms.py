@@ -65,8 +65,9 @@ def timed(forms: dict[str, Form], order: random.Random) -> dict[str, float]:
     """Each form's best of ``REPEATS`` means over a batch of calls sized to ~10 ms, in microseconds.
 
     The forms take turns, in an order drawn anew for each repeat: on a shared machine a slow patch of
-    a second or two (seen here: one form timed at 1.2-2x itself within a run when the forms were timed
-    one after another) then costs every form one sample, not one form all of its own."""
+    a second or two (seen on an AVX2 machine when the forms were timed one after another: the hook's form
+    and the identical form in the list 1.2-2x apart in one run) then costs every form one sample, not one
+    form all of its samples."""
     batches = {}
     for name, fn in forms.items():
         for _ in range(3):
