@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -24,6 +23,7 @@ from gradsync.elastic.etcd_store import EtcdStore, EtcdUnavailable
 
 from elastic_support import committed_batches, max_difference, replay
 from etcd_support import EtcdJob, fresh_etcd  # noqa: F401 - a fixture
+from harness import _free_port
 
 TOLERANCE = 1e-5
 MAX_STALL_S = 3.0  # issue #21: the worst step stall after a leader's SIGKILL, at etcd's default timings
@@ -153,8 +153,6 @@ def test_quorum_loss_blocks_then_resumes_in_time_and_is_named_when_it_lasts(fres
 
 
 def _result(out: Path, name: str) -> dict:
-    import json
-
     return json.loads((out / f"{name}.json").read_text())
 
 
@@ -200,9 +198,7 @@ class _SlowLoneMember:
 
 
 def _closed_port() -> str:
-    with socket.socket() as s:  # bound, then closed: a member whose machine is gone refuses at once
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{_free_port()}"  # bound, then closed: a member whose machine is gone refuses at once
 
 
 @pytest.mark.parametrize("slow_probes, counted", [(0, 1), (1, 1), (2, 0)])
