@@ -65,8 +65,9 @@ def test_sigkill_of_the_etcd_leader_stalls_each_replica_less_than_3s(fresh_etcd,
     gaps = {name: job.worst_gap(name) for name in names}
     assert max(gaps.values()) <= MAX_STALL_S, gaps
     for name in names:  # a step that commits sends nothing to etcd ([Note: commit]); before the first kill
-        log = job.committed(name)
-        assert log[14]["requests"] == log[2]["requests"], (name, log[2]["requests"], log[14]["requests"])
+        log = job.committed(name)  # (what a late peer or a silent store makes it send is counted apart)
+        sent, excused = (log[14][k] - log[2][k] for k in ("requests", "excused"))
+        assert sent == 0, f"{name} sent {sent} etcd requests in committing steps 3-14 ({excused} excused)"
     # The same job around a TCPStore, nothing killed: the same bits.
     reference = EtcdJob(tmp_path / "ref", "leader-ref", None, replicas=3, steps=steps)
     (tmp_path / "ref").mkdir()
@@ -115,10 +116,10 @@ def test_a_trainer_and_the_etcd_leader_lost_at_once(fresh_etcd, tmp_path: Path) 
 
 
 def test_quorum_loss_blocks_then_resumes_in_time_and_is_named_when_it_lasts(fresh_etcd, tmp_path: Path) -> None:  # noqa: F811
-    """Two of three members gone for 3 s (less than the store timeout): the replicas block, then go on
-    with no divergence. Gone for good: every replica fails within the store timeout, naming the lost
-    quorum, and no second membership is ever formed."""
-    cluster, timeout_s = fresh_etcd, 6
+    """Two of three members gone for 2 s, then restarted (less than the store timeout, restart and election
+    included): the replicas block, then go on with no divergence. Gone for good: every replica fails
+    within the store timeout, naming the lost quorum, and no second membership is ever formed."""
+    cluster, timeout_s = fresh_etcd, 10  # restart and election took 0.6-3.1 s on one shared core
     job = EtcdJob(tmp_path / "run", "quorum", cluster, replicas=3, steps=100_000, store_timeout=timeout_s)
     (tmp_path / "run").mkdir()
     names = ["a", "b", "c"]
@@ -127,18 +128,25 @@ def test_quorum_loss_blocks_then_resumes_in_time_and_is_named_when_it_lasts(fres
     job.wait_steps("a", 10)
     for member in cluster.members[:2]:
         cluster.kill(member)
-    time.sleep(3)
+    killed_at = time.monotonic()
+    time.sleep(2)
     blocked = len(job.committed("a"))
     for member in cluster.members[:2]:
         cluster.start_member(member)
+    cluster.wait_for_leader()
+    outage_s = time.monotonic() - killed_at
+    assert outage_s < timeout_s - 2, f"the quorum was back only after {outage_s:.1f}s: too slow a machine for this test"
     job.wait_steps("a", blocked + 10)  # resumed
     for member in cluster.members[1:]:
         cluster.kill(member)
-    lost_at = time.monotonic()
+    lost_at, survivor = time.monotonic(), cluster.members[0]
     for name in names:
         assert job.wait_for_exit(name, timeout_s=30) == 3, job.log(name)[-3000:]
         error = (tmp_path / "run" / f"{name}.error").read_text()
-        assert "EtcdUnavailable" in error and "1 of 3 members answered" in error and "lost its quorum" in error, error
+        assert "EtcdUnavailable" in error and "lost its quorum" in error, error
+        # The lone member is counted, or named as too slow to answer its status probes (a loaded machine):
+        # never as refusing (test_a_lone_member_slow_to_answer_... checks the count itself).
+        assert "1 of 3 members answered" in error or f"no status from {survivor.endpoint} within" in error, error
     assert time.monotonic() - lost_at < timeout_s + 6  # the store timeout, then the time to exit
     for member in cluster.members[1:]:
         cluster.start_member(member)
@@ -205,7 +213,8 @@ def _closed_port() -> str:
 def test_a_lone_member_slow_to_answer_its_first_status_probe_is_still_counted(slow_probes: int, counted: int) -> None:
     """The quorum-loss message counts the members that answer. A survivor that misses one probe's
     timeout (seen once in a full suite) is asked again and counted; one that misses every try is not
-    (the negative control), and the two gone members, which refuse, are never waited for."""
+    (the negative control) but is named as too slow to answer, and the two gone members, which refuse,
+    are never waited for nor named as slow."""
     lone = _SlowLoneMember(slow_probes, stall_s=etcd_store._PROBE_TIMEOUT_S + 0.5)
     try:
         store = EtcdStore([lone.endpoint, _closed_port(), _closed_port()], timedelta(seconds=0.5))
@@ -217,5 +226,7 @@ def test_a_lone_member_slow_to_answer_its_first_status_probe_is_still_counted(sl
         lone.close()
     message = str(raised.value)
     assert f"{counted} of 3 members answered" in message and "lost its quorum" in message, message
+    named_slow = f"no status from {lone.endpoint} within" in message  # alive but slow, not gone
+    assert named_slow == (counted == 0) and message.count("no status from") == named_slow, message
     assert lone.status_requests == min(slow_probes + 1, etcd_store._PROBE_TRIES)
     assert elapsed < 0.5 + etcd_store._PROBE_TIMEOUT_S * etcd_store._PROBE_TRIES + 1.0, elapsed

@@ -3,7 +3,8 @@
 The model, batches and digests are tests/jobs/elastic_worker.py's, so ``elastic_support.replay``
 retrains the committed steps. Every committed step appends ``{"step", "seed", "t", "digest",
 "requests"}`` to ``<out>/<name>.jsonl`` (``t``: the wall clock after the step; ``digest``: of the
-parameters and optimizer state; ``requests``: etcd requests the training thread sent so far); at
+parameters and optimizer state; ``requests``: etcd requests the training thread sent so far, but
+for those a committing step may send by design, counted in ``excused``: see ``_count_requests``); at
 the end ``<name>.json`` holds the digest and the history, and ``<name>.pt`` the weights. An error
 (the store lost its quorum, say) is written to ``<name>.error`` and ends the process with 3.
 """
@@ -28,6 +29,7 @@ from elastic_worker import batch, make_model, seed_of, sha256_of, write_result  
 
 from gradsync import DistributedDataParallel as DDP  # noqa: E402
 from gradsync import elastic  # noqa: E402
+from gradsync.elastic.step_decision import StepDecider  # noqa: E402
 
 
 def main() -> None:
@@ -61,7 +63,7 @@ def train(args: argparse.Namespace, out: Path) -> None:
     ddp = DDP(make_model(), bucket_cap_mb=0.002)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     ft = elastic.FaultTolerant(ddp, opt)
-    requests = _count_requests(run.store)
+    requests, excused = _count_requests(run.store, ft.decider)
     log = (out / f"{args.name}.jsonl").open("a")
     current = {"step": -1, "seed": -1}
     optimizer_step = opt.step
@@ -69,7 +71,8 @@ def train(args: argparse.Namespace, out: Path) -> None:
     def logged_step() -> None:  # FaultTolerant steps the optimizer only for a committed step
         optimizer_step()
         digest = sha256_of(ddp.module, opt)[:16]  # equal on every replica after every step: no divergence
-        log.write(json.dumps({**current, "t": time.time(), "digest": digest, "requests": requests[0]}) + "\n")
+        entry = {**current, "t": time.time(), "digest": digest, "requests": requests[0], "excused": excused[0]}
+        log.write(json.dumps(entry) + "\n")
         log.flush()
 
     opt.step = logged_step
@@ -85,19 +88,36 @@ def train(args: argparse.Namespace, out: Path) -> None:
     write_result(out, args.name, ddp, opt, ft, run.history)
 
 
-def _count_requests(store: object) -> list[int]:
-    """A counter of the etcd requests this (the training) thread sends from now on; [0] on a TCPStore."""
-    counted, real, me = [0], getattr(store, "_call", None), threading.current_thread()
+def _count_requests(store: object, decider: StepDecider | None = None) -> tuple[list[int], list[int]]:
+    """Counters of the etcd requests this (the training) thread sends from now on ([0] on a TCPStore):
+    those a committing step may send by design are counted apart, as excused. They are the store check
+    of a wait on the group that outlasts a slice (a peer is late: is anyone settling?), and the wait
+    for the store after a vote that said some member's heartbeats went unanswered ([Note: commit])."""
+    counted, excused, real, me = [0], [0], getattr(store, "_call", None), threading.current_thread()
     if real is None:
-        return counted
+        return counted, excused
+    inside = [False]
 
     def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         if threading.current_thread() is me:
-            counted[0] += 1
+            (excused if inside[0] else counted)[0] += 1
         return real(*args, **kwargs)
 
+    def excusing(method):  # noqa: ANN001, ANN202
+        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            inside[0] = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                inside[0] = False
+
+        return run
+
     store._call = call
-    return counted
+    if decider is not None:
+        decider._check_peers = excusing(decider._check_peers)
+        decider.wait_for_a_silent_store = excusing(decider.wait_for_a_silent_store)
+    return counted, excused
 
 
 if __name__ == "__main__":

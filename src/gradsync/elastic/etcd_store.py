@@ -339,25 +339,35 @@ class EtcdStore(dist.Store):
             raise _Unanswered(message)
         raise RuntimeError(f"etcd at {endpoint} refused {path}: {message} (code {code})")
 
-    def _status(self, endpoint: str) -> dict[str, Any] | None:
-        """A member's status (None: no answer). Asked from a pool thread: a connection of its own, not
-        the one a failed request left behind. Asked again only after a timeout (see _PROBE_TRIES)."""
+    def _status(self, endpoint: str) -> dict[str, Any] | str:
+        """A member's status, or why there is none: ``"refused"`` (or another error: its machine or
+        process is gone) or ``"slow"`` (every try timed out: alive, perhaps, but too loaded to tell).
+        Asked from a pool thread: a connection of its own, not the one a failed request left behind.
+        Asked again only after a timeout (see _PROBE_TRIES)."""
         for _ in range(_PROBE_TRIES):
             try:
                 return self._post(endpoint, "/v3/maintenance/status", b"{}", _PROBE_TIMEOUT_S)
             except _Unanswered as error:
                 if not error.timed_out:
-                    return None
+                    return "refused"
             except (RuntimeError, ValueError):
-                return None
-        return None
+                return "refused"
+        return "slow"
+
+    @staticmethod
+    def _slow_note(slow: list[str]) -> str:
+        """Members that neither answered nor refused: a loaded machine's, or a hung process."""
+        if not slow:
+            return ""
+        return f"; no status from {', '.join(slow)} within {_PROBE_TRIES} x {_PROBE_TIMEOUT_S}s: alive but too slow?"
 
     def _describe(self, failures: dict[str, str], path: str) -> str:
         """Why nothing answered: which members answer their status at all, and whether one leads."""
         with concurrent.futures.ThreadPoolExecutor(len(self.endpoints)) as pool:
             statuses = list(pool.map(self._status, self.endpoints))
-        answered = [endpoint for endpoint, status in zip(self.endpoints, statuses) if status is not None]
-        leaders = {s["leader"] for s in statuses if s is not None and s.get("leader") not in (None, "0")}
+        answered = [endpoint for endpoint, status in zip(self.endpoints, statuses) if isinstance(status, dict)]
+        slow = [endpoint for endpoint, status in zip(self.endpoints, statuses) if status == "slow"]
+        leaders = {s["leader"] for s in statuses if isinstance(s, dict) and s.get("leader") not in (None, "0")}
         size, quorum = len(self.endpoints), len(self.endpoints) // 2 + 1
         if not leaders:
             verdict = f"none has a leader: the cluster lost its quorum ({quorum} of {size} members are needed)"
@@ -366,5 +376,6 @@ class EtcdStore(dist.Store):
         errors = "; ".join(f"{e}: {m}" for e, m in failures.items())
         return (
             f"etcd store unavailable for {self.timeout.total_seconds():.1f}s ({path}): {len(answered)} of {size} "
-            f"members answered ({', '.join(answered) or 'none'}), {verdict}. Last errors: {errors}"
+            f"members answered ({', '.join(answered) or 'none'}{self._slow_note(slow)}), {verdict}. "
+            f"Last errors: {errors}"
         )
