@@ -12,8 +12,10 @@ which is exactly ``OMP_NUM_THREADS=1 python -m benchmarks.studies.product_forms`
 stack's view of the bucket, which is strided when something lies between two of the matrices (a bias). Each can be
 issued in several forms of the same arithmetic (batched or a matrix at a time, plain or through
 transposed operands, into the destination or through a temporary), and on CPU their costs differ
-up to tenfold in ways that depend on the rank and the size. ``src/gradsync/hooks/low_rank.py``
-picks one form per case ([Note: the forms of a stack's products]); this study times every form
+up to tenfold in ways that depend on the rank, the size and the CPU. For ``P = M Q``, ``Q = M^T P``
+and the residual the hook times its forms on this machine once per case and keeps the fastest if it
+beats ``src/gradsync/hooks/low_rank.py``'s default by a margin ([Note: forms chosen on the machine] in
+``product_forms.py``); the output keeps low_rank.py's fixed form. This study times every form
 on one thread, checks each against a reference product first, and reports, per case, the
 hook's own call (``project``, ``back_project``, ``subtract_product``, ``write_product``) against the
 fastest other form. Writes ``benchmarks/results/YYYY-MM-DD-product-forms.md``.
@@ -34,6 +36,7 @@ import gradsync
 from benchmarks.lib import launch
 from benchmarks.lib.common import processor, report_path, revision
 from gradsync.hooks import low_rank
+from gradsync.hooks.product_forms import ProductForms
 
 # (k, rows, cols): stacks as the grid's models give them (decoders of width 128-512, MLPs of many small
 # layers, the conv net's 3 x 3 kernels read as rows x 9 * channels), small to large.
@@ -58,6 +61,9 @@ RANKS = (1, 2, 4)
 GAP = 64  # elements between two matrices of a strided output view (a bias)
 REPEATS = 5
 SLOWER = 1.10  # the hook's form counts as slower than the best other beyond this ratio
+# The hook's own choice for the rank-local products, made on this machine at the first call of each case
+# (during the warm-up calls: [Note: forms chosen on the machine] in src/gradsync/hooks/product_forms.py).
+chooser = ProductForms()
 Form = Callable[[], None]
 
 
@@ -124,7 +130,7 @@ def projection_forms(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> dict[
     def transposed(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> None:
         p.copy_(t(torch.matmul(t(q), t(m))))
 
-    return four_ways(lambda: low_rank.project(m, q, p), ("M Q", plain), ("(Q^T M^T)^T", transposed), m, q, p)
+    return four_ways(lambda: chooser.project(m, q, p), ("M Q", plain), ("(Q^T M^T)^T", transposed), m, q, p)
 
 
 def back_projection_forms(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> dict[str, Form]:
@@ -134,7 +140,7 @@ def back_projection_forms(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> 
     def transposed(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
         q.copy_(t(torch.matmul(t(p), m)))
 
-    return four_ways(lambda: low_rank.back_project(m, p, q), ("M^T P", plain), ("(P^T M)^T", transposed), m, p, q)
+    return four_ways(lambda: chooser.back_project(m, p, q), ("M^T P", plain), ("(P^T M)^T", transposed), m, p, q)
 
 
 def residual_forms(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> dict[str, Form]:
@@ -145,7 +151,7 @@ def residual_forms(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> dict[st
         t(m).baddbmm_(q, t(p), alpha=-1)
 
     return {
-        "gradsync": lambda: low_rank.subtract_product(m, p, q),
+        "gradsync": lambda: chooser.subtract_product(m, p, q),
         "M -= P Q^T batched": lambda: plain(m, p, q),
         "M^T -= Q P^T batched": lambda: transposed(m, p, q),
         "M -= P Q^T one by one": one_by_one(plain, m, p, q),

@@ -53,9 +53,12 @@ def views(flat: torch.Tensor, shapes: list[tuple[int, int, int]]) -> list[torch.
 # [Note: the forms of a stack's products]
 # A round runs four products per stack of same-shaped matrices: ``P = M Q``, ``Q = M^T P``, the residual
 # ``M -= P Q^T`` (error feedback) and the output ``P Q^T`` (written to the bucket). On CPU the same product costs up to
-# 10x more in one form than in another, and which form wins depends on the rank and the matrix size, not on
-# the model. ``python -m benchmarks product_forms`` times every form against the one used here
-# (benchmarks/results/2026-12-07-product-forms.md: one core, microseconds for a stack of k matrices):
+# 10x more in one form than in another, and which form wins depends on the rank, the matrix size and the CPU,
+# not on the model. The forms below are fixed: the output's everywhere, and the other three's as defaults,
+# which ProductForms replaces by a form timed faster on the machine ([Note: forms chosen on the machine] in
+# product_forms.py). ``python -m benchmarks product_forms`` times every form against the hook's
+# (benchmarks/results/2026-12-07-product-forms.md, the machine these were fixed on: one core, microseconds
+# for a stack of k matrices):
 #
 # - ``P = M Q`` as ``(Q^T M^T)^T`` on the whole stack, at every rank and size: 8 x (512 x 128) 40 at rank 1
 #   and 88 at rank 4, against 70 and 148 a matrix at a time (the forms before) and 296 and 362 for ``M Q``
@@ -160,7 +163,7 @@ class LowRankRound:
         self.q_flat = initial_q(state, bucket, sum(k * a * b for k, a, b in q_shapes), like)
         self.ps, self.qs = views(self.p_flat, p_shapes), views(self.q_flat, q_shapes)
         for m, p, q in zip(matrices, self.ps, self.qs):
-            project(m, q, p)
+            state.forms.project(m, q, p)
         state.wire.add_all_reduce(self.p_flat)
         self.p_work = dist.all_reduce(self.p_flat, group=state.process_group, async_op=True)
 
@@ -172,9 +175,9 @@ class LowRankRound:
             for p in self.ps:
                 orthonormalise(p)
             for m, p, q in zip(self.matrices, self.ps, self.qs):
-                back_project(m, p, q)  # overwrites the Q the P came from (warm start keeps it)
+                state.forms.back_project(m, p, q)  # overwrites the Q the P came from (warm start keeps it)
                 if state.use_error_feedback:
-                    subtract_product(m, p, q)
+                    state.forms.subtract_product(m, p, q)
             state.wire.add_all_reduce(self.q_flat)
             q_future = dist.all_reduce(self.q_flat, group=state.process_group, async_op=True).get_future()
         except Exception as error:  # noqa: BLE001 - handed to whoever waits for the bucket

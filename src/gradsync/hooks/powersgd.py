@@ -52,6 +52,7 @@ from .allreduce import allreduce_future
 from .low_rank import LowRankRound
 from .matrix_groups import MatrixGroups, plan
 from .memory import BucketMemory
+from .product_forms import ProductForms
 from .wire import WireStats
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class PowerSGDState:
         "layouts",
         "generator",
         "wire",
+        "forms",
         "_in_flight",
         "_saw_last",
     )
@@ -121,6 +123,7 @@ class PowerSGDState:
         # which P = M Q needs for the all-reduce of P to mean anything.
         self.generator = torch.Generator().manual_seed(seed)
         self.wire = WireStats(self.world_size)
+        self.forms = ProductForms()  # [Note: forms chosen on the machine] in product_forms.py
         self._in_flight: LowRankRound | None = None  # see [Note: P in flight] in low_rank.py
         self._saw_last = False  # this pass's last bucket came to the hook (and ended the iteration)
 
