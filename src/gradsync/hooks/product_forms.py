@@ -108,6 +108,7 @@ class ProductForms:
         self._measure = measure
         self.margin = margin
         self.chosen: dict[tuple[str, tuple[int, ...], int, torch.dtype], str] = {}
+        self._cached: dict[tuple[str, tuple[int, ...], int, torch.dtype, bool], Product] = {}
 
     def project(self, m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> None:
         """``p = m q`` for a stack of matrices."""
@@ -122,14 +123,19 @@ class ProductForms:
         self._form("subtract_product", m, p, q)(m, p, q)
 
     def _form(self, product: str, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Product:
-        forms = FORMS[product]
-        if m.device.type != "cpu" or torch.are_deterministic_algorithms_enabled():
-            return forms["default"]
-        key = (product, tuple(m.shape), a.shape[-1], m.dtype)
-        name = self.chosen.get(key)
-        if name is None:
-            name = self.chosen[key] = self._choose(product, m, a, b)
-        return forms[name]
+        # Called for every stack of every bucket: the cached case first, in as few steps as it takes
+        # (microseconds count on the smallest stacks, whose products take 5-10 us).
+        if torch.are_deterministic_algorithms_enabled():
+            return FORMS[product]["default"]
+        key = (product, m.shape, a.shape[-1], m.dtype, m.is_cpu)
+        form = self._cached.get(key)
+        if form is None:
+            if m.is_cpu:
+                self.chosen[key[:4]] = name = self._choose(product, m, a, b)
+            else:
+                name = "default"
+            form = self._cached[key] = FORMS[product][name]
+        return form
 
     def _choose(self, product: str, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> str:
         """Time every form on scratch operands of these shapes (never the live ones: the residual
