@@ -90,6 +90,49 @@ def test_another_form_replaces_the_default_only_when_faster_by_the_margin() -> N
     assert len(calls) == 3 and len(forms.chosen) == 3
 
 
+class _Clock:
+    """A clock each live call of a form advances by ``call_s`` (measure's own timings are scripted apart)."""
+
+    def __init__(self, call_s: float) -> None:
+        self.now, self.call_s, self.reads = 0.0, call_s, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.reads % 2 == 0:  # the read after a call
+            self.now += self.call_s
+        return self.now
+
+
+@pytest.mark.parametrize("live_s, retimed", [(0.5 * 10, True), (0.5 * 1.2, False)], ids=["slowed", "steady"])
+def test_a_form_that_slows_down_on_live_data_is_timed_again(live_s: float, retimed: bool) -> None:
+    """[Note: a form that slows down on the data]: M Q timed at 0.5 s a call, then taking 5 s on the
+    live operands (a denormal slow path), is timed again and dropped; at 0.6 s (noise) it is kept."""
+    m, p, q = _operands(2, 64, 96, 4)
+    script = [{"default": 1.0, "M Q": 0.5}, {"default": 1.0, "M Q": 8.0}]
+    calls: list[dict[str, float]] = []
+
+    def measure(forms: dict) -> dict[str, float]:  # noqa: ANN001
+        calls.append(script[len(calls)])
+        return calls[-1]
+
+    forms = ProductForms(measure, clock=_Clock(live_s))
+    out = torch.empty_like(p)
+    for _ in range(product_forms._RETIME_AFTER + 2):
+        forms.project(m, q, out)
+        assert torch.allclose(out, m @ q, atol=1e-4)
+    assert len(calls) == (2 if retimed else 1)
+    assert forms.chosen == {("project", (2, 64, 96), 4, torch.float32): "default" if retimed else "M Q"}
+
+
+def test_a_shape_is_timed_again_at_most_max_timings_times() -> None:
+    m, p, q = _operands(2, 64, 96, 4)
+    calls: list[list[str]] = []
+    forms = ProductForms(_scripted({"M Q": 1e-9}, calls), clock=_Clock(1.0))  # always far slower than timed
+    for _ in range(product_forms._RETIME_AFTER * (product_forms._MAX_TIMINGS + 3)):
+        forms.project(m, q, torch.empty_like(p))
+    assert len(calls) == product_forms._MAX_TIMINGS
+
+
 def test_the_residual_is_timed_on_scratch_and_applied_once() -> None:
     """Timing runs the in-place residual many times: on copies, never on the live error memory."""
     m, p, q = _operands(2, 64, 96, 1)

@@ -65,6 +65,10 @@ class PowerSGDState:
     ``Q``, both keyed by ``bucket.index()``; ``iter`` counts finished backward passes;
     ``wire`` records the bytes this rank sent per iteration.
 
+    ``forms``: the form each rank-local product (``P = M Q``, ``Q = M^T P``, the residual) runs in,
+    timed on this machine once per stack shape ([Note: forms chosen on the machine] in
+    product_forms.py); under ``torch.use_deterministic_algorithms(True)`` the fixed defaults.
+
     ``prefers_few_buckets``: a few hundredths of the gradient go on the wire, so small buckets
     (which gradsync's default picks on a slow link, for uncompressed all-reduces to start
     early) only add per-bucket latency; the default then keeps torch's caps for this hook.

@@ -37,8 +37,21 @@ MARGIN = 1.25  # another form replaces the default only when at least this much 
 _ROUNDS = 3  # each form's time: the best of this many blocks, the forms taking turns
 _BLOCK_S = 100e-6  # a block repeats a form about this long (at most _MAX_CALLS calls)
 _MAX_CALLS = 50
+# [Note: a form that slows down on the data]
+# What a product costs depends on the values too: on a deep tanh MLP the warm-start Q of a layer whose
+# gradient has all but vanished is tiny, so M Q underflows, and a kernel that meets denormal numbers slows
+# down, some far more than others (84 x (128 x 128) at rank 4 on the AVX512 machine: the batched M Q 0.56 ms
+# on random data and 20 ms on such data, (Q^T M^T)^T 1.9 and 7.5 ms). The first timing, at the first
+# compressing iteration, sees the random initial Q. So a form whose live call takes SLOWDOWN times what it
+# was timed at (and _SLOWDOWN_FLOOR_S more) is timed again, with the others, on the operands of that call,
+# after at least _RETIME_AFTER calls since its last timing and at most _MAX_TIMINGS times per shape.
+SLOWDOWN = 3.0
+_SLOWDOWN_FLOOR_S = 100e-6
+_RETIME_AFTER = 3
+_MAX_TIMINGS = 6
 
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+_Key = tuple[str, tuple[int, ...], int, torch.dtype, bool]  # product, stack shape, rank, dtype, on CPU
 Measure = Callable[[dict[str, Callable[[], None]]], dict[str, float]]
 
 
@@ -96,50 +109,73 @@ def measure(forms: dict[str, Callable[[], None]]) -> dict[str, float]:
     return best
 
 
+class _Choice:
+    """One (product, stack shape, rank, dtype)'s form in use, and what it was timed at."""
+
+    __slots__ = ("name", "form", "expected_s", "calls", "timings")
+
+    def __init__(self, product: str) -> None:
+        self.name, self.form, self.expected_s = "default", FORMS[product]["default"], 0.0
+        self.calls = 0  # since it was last timed
+        self.timings = 0
+
+
 class ProductForms:
     """The form of each rank-local product, per stack shape, for one hook state ([Note: forms chosen on the machine]).
 
     ``measure`` times a dict of forms (None: this module's ``measure``, looked up when a choice is
-    made; tests script it); ``chosen`` maps each measured (product, shape, rank, dtype) to the name
-    of the form in use.
+    made; tests script it) and ``clock`` each live call (tests script it too); ``chosen`` maps each
+    measured (product, shape, rank, dtype) to the name of the form in use.
     """
 
-    def __init__(self, measure: Measure | None = None, margin: float = MARGIN) -> None:
+    def __init__(
+        self, measure: Measure | None = None, margin: float = MARGIN, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self._measure = measure
         self.margin = margin
+        self._clock = clock
         self.chosen: dict[tuple[str, tuple[int, ...], int, torch.dtype], str] = {}
-        self._cached: dict[tuple[str, tuple[int, ...], int, torch.dtype, bool], Product] = {}
+        self._choices: dict[_Key, _Choice] = {}
 
     def project(self, m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> None:
         """``p = m q`` for a stack of matrices."""
-        self._form("project", m, q, p)(m, q, p)
+        self._run("project", m, q, p)
 
     def back_project(self, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
         """``q = m^T p`` for a stack of matrices."""
-        self._form("back_project", m, p, q)(m, p, q)
+        self._run("back_project", m, p, q)
 
     def subtract_product(self, m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
         """``m -= p q^T`` in place."""
-        self._form("subtract_product", m, p, q)(m, p, q)
+        self._run("subtract_product", m, p, q)
 
-    def _form(self, product: str, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Product:
-        # Called for every stack of every bucket: the cached case first, in as few steps as it takes
+    def _run(self, product: str, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        # Called for every stack of every bucket: the common case in as few steps as it takes
         # (microseconds count on the smallest stacks, whose products take 5-10 us).
-        if torch.are_deterministic_algorithms_enabled():
-            return FORMS[product]["default"]
-        key = (product, m.shape, a.shape[-1], m.dtype, m.is_cpu)
-        form = self._cached.get(key)
-        if form is None:
-            if m.is_cpu:
-                self.chosen[key[:4]] = name = self._choose(product, m, a, b)
-            else:
-                name = "default"
-            form = self._cached[key] = FORMS[product][name]
-        return form
+        if torch.are_deterministic_algorithms_enabled() or not m.is_cpu:
+            FORMS[product]["default"](m, a, b)
+            return
+        key = (product, m.shape, a.shape[-1], m.dtype, True)
+        choice = self._choices.get(key)
+        if choice is None:
+            choice = self._choices[key] = _Choice(product)
+            self._time(choice, key, m, a, b)
+        start = self._clock()
+        choice.form(m, a, b)
+        elapsed = self._clock() - start
+        choice.calls += 1
+        # [Note: a form that slows down on the data]
+        if (
+            elapsed > SLOWDOWN * choice.expected_s + _SLOWDOWN_FLOOR_S
+            and choice.calls >= _RETIME_AFTER
+            and choice.timings < _MAX_TIMINGS
+        ):
+            self._time(choice, key, m, a, b)
 
-    def _choose(self, product: str, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> str:
-        """Time every form on scratch operands of these shapes (never the live ones: the residual
-        updates ``m`` in place) and keep the default unless another beats it by ``margin``."""
+    def _time(self, choice: _Choice, key: _Key, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Time every form on scratch operands of these shapes and values (never the live ones: the
+        residual updates ``m`` in place); keep the default unless another beats it by ``margin``."""
+        product = key[0]
         scratch = (m.clone(), a.clone(), b.clone())
 
         def on_scratch(form: Product) -> Callable[[], None]:
@@ -147,4 +183,7 @@ class ProductForms:
 
         times = (self._measure or measure)({name: on_scratch(form) for name, form in FORMS[product].items()})
         fastest = min(times, key=times.__getitem__)
-        return fastest if times[fastest] * self.margin < times["default"] else "default"
+        choice.name = fastest if times[fastest] * self.margin < times["default"] else "default"
+        choice.form, choice.expected_s = FORMS[product][choice.name], times[choice.name]
+        choice.calls, choice.timings = 0, choice.timings + 1
+        self.chosen[key[:4]] = choice.name
