@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsync.hooks import PowerSGDState, powersgd_hook, product_forms
+from gradsync.hooks import PowerSGDState, powersgd, powersgd_hook, product_forms
 from gradsync.hooks.product_forms import FORMS, ProductForms
 from test_hooks_library import Buckets, W, _check_powersgd_stacks_same_shaped_matrices, _grad, _run
 
@@ -106,9 +106,7 @@ class _Clock:
         return self.now
 
 
-@pytest.mark.parametrize(
-    "live_s, retimed", [(0.5 * 10, True), (0.5 * 4, False)], ids=["slowed_10x", "slowed_4x_kept"]
-)
+@pytest.mark.parametrize("live_s, retimed", [(0.5 * 10, True), (0.5 * 4, False)], ids=["slowed_10x", "slowed_4x_kept"])
 def test_a_form_that_slows_down_on_live_data_is_timed_again(live_s: float, retimed: bool) -> None:
     """[Note: a form that slows down on the data]: M Q timed at 0.5 s a call, then taking 5 s on the
     live operands (a denormal slow path) three calls in a row, is timed again and dropped; 2 s (a
@@ -222,8 +220,22 @@ def _forcing(pick: int):  # noqa: ANN202
 
 
 def _check_with_forms_forced(pick: int, small: int | None) -> None:
-    product_forms.measure = _forcing(pick)
-    _check_powersgd_stacks_same_shaped_matrices(small)
+    # Every state the check builds gets timed forms under this measure (workers are reused: undone after).
+    powersgd.ProductForms = lambda timed: ProductForms(_forcing(pick), first_timing=1)
+    try:
+        _check_powersgd_stacks_same_shaped_matrices(small)
+    finally:
+        powersgd.ProductForms = ProductForms
+
+
+def test_untimed_forms_are_the_fixed_defaults() -> None:
+    m, p, q = _operands(2, 64, 96, 4)
+    for timed in (False, True):
+        calls: list[list[str]] = []
+        forms = ProductForms(_scripted({"M Q": 1e-3}, calls), timed=timed)
+        for _ in range(3):
+            forms.project(m, q, torch.empty_like(p))
+        assert (calls == [["M Q", "default"]]) == timed and bool(forms.chosen) == timed
 
 
 @pytest.mark.parametrize("pick", [1, 2], ids=["first_other_form", "second_other_form"])
@@ -234,6 +246,7 @@ def test_powersgd_with_every_other_form_forced_matches_the_hand_references(pick:
 
 def _check_ranks_on_different_forms() -> None:
     rank = dist.get_rank()
+    assert not PowerSGDState(None).forms.timed and PowerSGDState(None, time_product_forms=True).forms.timed
     make = Buckets([(64, 96), (96,), (64, 96), (40, 30)])
     numel = 2 * 64 * 96 + 96 + 40 * 30
     state = PowerSGDState(None, matrix_approximation_rank=2, start_iter=2)  # error feedback, warm start

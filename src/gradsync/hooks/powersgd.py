@@ -65,9 +65,10 @@ class PowerSGDState:
     ``Q``, both keyed by ``bucket.index()``; ``iter`` counts finished backward passes;
     ``wire`` records the bytes this rank sent per iteration.
 
-    ``forms``: the form each rank-local product (``P = M Q``, ``Q = M^T P``, the residual) runs in,
-    timed on this machine once per stack shape ([Note: forms chosen on the machine] in
-    product_forms.py); under ``torch.use_deterministic_algorithms(True)`` the fixed defaults.
+    ``forms``: the form each rank-local product (``P = M Q``, ``Q = M^T P``, the residual) runs in:
+    the fixed defaults, or with ``time_product_forms=True`` the form timed fastest on this machine per
+    stack shape ([Note: forms chosen on the machine] in product_forms.py: off by default, because on
+    the one machine where it mattered the parity study came out worse with it).
 
     ``prefers_few_buckets``: a few hundredths of the gradient go on the wire, so small buckets
     (which gradsync's default picks on a slow link, for uncompressed all-reduces to start
@@ -106,6 +107,7 @@ class PowerSGDState:
         use_error_feedback: bool = True,
         warm_start: bool = True,
         seed: int = 0,
+        time_product_forms: bool = False,
     ) -> None:
         _check_args(matrix_approximation_rank, start_iter, min_compression_rate, use_error_feedback, warm_start)
         self.process_group = process_group
@@ -127,7 +129,7 @@ class PowerSGDState:
         # which P = M Q needs for the all-reduce of P to mean anything.
         self.generator = torch.Generator().manual_seed(seed)
         self.wire = WireStats(self.world_size)
-        self.forms = ProductForms()  # [Note: forms chosen on the machine] in product_forms.py
+        self.forms = ProductForms(timed=time_product_forms)  # [Note: forms chosen on the machine] in product_forms.py
         self._in_flight: LowRankRound | None = None  # see [Note: P in flight] in low_rank.py
         self._saw_last = False  # this pass's last bucket came to the hook (and ended the iteration)
 

@@ -19,6 +19,13 @@ What is never chosen this way: the output ``P Q^T``. Every rank computes it from
 (``write_product``). The rank-local products may differ between ranks, because what they produce
 is summed before it is used: every rank receives the same sum.
 
+Off by default (``PowerSGDState(time_product_forms=True)`` turns it on). On the AVX512 machine it
+cut the hook's CPU at world size 1 (rank 4: 3-5 ms a step on four of six shapes) and sped up the
+A/Bs of some shapes at world size 2, yet the parity study there, four instances a side against
+torch's hook, came out worse than with the fixed forms (pooled 0.966 against 0.949, four shapes
+slower against none; docs/performance.md): what a form costs in a short timing is not what it costs
+in a step, nor on tomorrow's data (below), and the fixed forms are the known quantity.
+
 Determinism: the forms add the same products in another order, so a different choice changes the
 last bits of ``P``, and with them of the weights. Two runs on one machine choose alike unless two
 forms time within noise of the margin. Under ``torch.use_deterministic_algorithms(True)``, and
@@ -135,8 +142,15 @@ class ProductForms:
     """
 
     def __init__(
-        self, measure: Measure | None = None, margin: float = MARGIN, clock: Callable[[], float] = time.perf_counter
+        self,
+        measure: Measure | None = None,
+        margin: float = MARGIN,
+        clock: Callable[[], float] = time.perf_counter,
+        timed: bool = True,
+        first_timing: int = 2,
     ) -> None:
+        self.timed = timed  # False: the fixed defaults, never timed (PowerSGDState's default)
+        self.first_timing = first_timing  # the call of a shape at which its forms are first timed
         self._measure = measure
         self.margin = margin
         self._clock = clock
@@ -158,14 +172,14 @@ class ProductForms:
     def _run(self, product: str, m: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         # Called for every stack of every bucket: the common case in as few steps as it takes
         # (microseconds count on the smallest stacks, whose products take 5-10 us).
-        if torch.are_deterministic_algorithms_enabled() or not m.is_cpu:
+        if not self.timed or torch.are_deterministic_algorithms_enabled() or not m.is_cpu:
             FORMS[product]["default"](m, a, b)
             return
         key = (product, m.shape, a.shape[-1], m.dtype, True)
         choice = self._choices.get(key)
         if choice is None:
             choice = self._choices[key] = _Choice(product)
-        elif choice.timings == 0:  # the second call: [Note: a form that slows down on the data]
+        if choice.timings == 0 and choice.calls + 1 >= self.first_timing:  # [Note: a form that slows down ...]
             self._time(choice, key, m, a, b)
         start = self._clock()
         choice.form(m, a, b)
