@@ -12,10 +12,11 @@ which is exactly ``OMP_NUM_THREADS=1 python -m benchmarks.studies.product_forms`
 stack's view of the bucket, which is strided when something lies between two of the matrices (a bias). Each can be
 issued in several forms of the same arithmetic (batched or a matrix at a time, plain or through
 transposed operands, into the destination or through a temporary), and on CPU their costs differ
-up to tenfold in ways that depend on the rank, the size and the CPU. For ``P = M Q``, ``Q = M^T P``
-and the residual the hook times its forms on this machine once per case and keeps the fastest if it
-beats ``src/gradsync/hooks/low_rank.py``'s default by a margin ([Note: forms chosen on the machine] in
-``product_forms.py``); the output keeps low_rank.py's fixed form. This study times every form
+up to tenfold in ways that depend on the rank, the size and the CPU. ``src/gradsync/hooks/low_rank.py``
+fixes one form per case ([Note: the forms of a stack's products]); with ``--timed-forms`` the study
+reports instead what ``PowerSGDState(time_product_forms=True)`` runs for ``P = M Q``, ``Q = M^T P``
+and the residual, the form timed fastest on this machine ([Note: forms chosen on the machine] in
+``product_forms.py``). This study times every form
 on one thread, checks each against a reference product first, and reports, per case, the
 hook's own call (``project``, ``back_project``, ``subtract_product``, ``write_product``) against the
 fastest other form. Writes ``benchmarks/results/YYYY-MM-DD-product-forms.md``.
@@ -61,9 +62,10 @@ RANKS = (1, 2, 4)
 GAP = 64  # elements between two matrices of a strided output view (a bias)
 REPEATS = 5
 SLOWER = 1.10  # the hook's form counts as slower than the best other beyond this ratio
-# The hook's own choice for the rank-local products, made on this machine at the first call of each case
-# (during the warm-up calls: [Note: forms chosen on the machine] in src/gradsync/hooks/product_forms.py).
-chooser = ProductForms()
+# The hook's forms for the rank-local products: the fixed defaults, or with --timed-forms the form timed on this
+# machine at the second call of each case (during the warm-up calls: [Note: forms chosen on the machine] in
+# src/gradsync/hooks/product_forms.py).
+chooser = ProductForms(timed=False)
 Form = Callable[[], None]
 
 
@@ -209,7 +211,13 @@ def cases(k: int, rows: int, cols: int, r: int) -> list[tuple[str, dict[str, For
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--label", help="appended to the report's name: product-forms-LABEL.md")
+    parser.add_argument(
+        "--timed-forms",
+        action="store_true",
+        help="the hook with PowerSGDState(time_product_forms=True): each rank-local product timed on this machine",
+    )
     args = parser.parse_args()
+    chooser.timed = args.timed_forms
     torch.set_num_threads(1)
     order = random.Random(0)
     rows_out: list[str] = []
@@ -239,6 +247,13 @@ def main() -> None:
         "in an order drawn anew each time; every form checked against a "
         f"reference product first; a strided output has {GAP} elements between two matrices; "
         "[Note: the forms of a stack's products] in src/gradsync/hooks/low_rank.py",
+        "- the hook's forms: "
+        + (
+            "timed on this machine (`--timed-forms`: `PowerSGDState(time_product_forms=True)`, [Note: forms chosen "
+            "on the machine] in src/gradsync/hooks/product_forms.py)"
+            if args.timed_forms
+            else "the fixed ones (the default)"
+        ),
         f"- the hook's form slower than the best other by more than {SLOWER:.2f}x: {len(slower)} of {total} cases"
         + (f": {'; '.join(slower)}" if slower else ""),
         "",
