@@ -54,9 +54,9 @@ def views(flat: torch.Tensor, shapes: list[tuple[int, int, int]]) -> list[torch.
 # A round runs four products per stack of same-shaped matrices: ``P = M Q``, ``Q = M^T P``, the residual
 # ``M -= P Q^T`` (error feedback) and the output ``P Q^T`` (written to the bucket). On CPU the same product costs up to
 # 10x more in one form than in another, and which form wins depends on the rank, the matrix size and the CPU,
-# not on the model. The forms below are fixed: the output's everywhere, and the other three's as defaults,
-# which ProductForms replaces by a form timed faster on the machine ([Note: forms chosen on the machine] in
-# product_forms.py). ``python -m benchmarks product_forms`` times every form against the hook's
+# not on the model. The forms below are fixed: the output's always, the other three's by default
+# (``PowerSGDState(time_product_forms=True)`` replaces them by forms timed faster on the machine, [Note: forms
+# chosen on the machine] in product_forms.py). ``python -m benchmarks product_forms`` times every form against the hook's
 # (benchmarks/results/2026-12-07-product-forms.md, the machine these were fixed on: one core, microseconds
 # for a stack of k matrices):
 #
