@@ -56,9 +56,9 @@ def views(flat: torch.Tensor, shapes: list[tuple[int, int, int]]) -> list[torch.
 # 10x more in one form than in another, and which form wins depends on the rank, the matrix size and the CPU,
 # not on the model. The forms below are fixed: the output's always, the other three's by default
 # (``PowerSGDState(time_product_forms=True)`` replaces them by forms timed faster on the machine, [Note: forms
-# chosen on the machine] in product_forms.py). ``python -m benchmarks product_forms`` times every form against the hook's
-# (benchmarks/results/2026-12-07-product-forms.md, the machine these were fixed on: one core, microseconds
-# for a stack of k matrices):
+# chosen on the machine] in product_forms.py). ``python -m benchmarks product_forms`` times every form
+# against the hook's (benchmarks/results/2026-12-07-product-forms.md, the machine these were fixed on: one
+# core, microseconds for a stack of k matrices):
 #
 # - ``P = M Q`` as ``(Q^T M^T)^T`` on the whole stack, at every rank and size: 8 x (512 x 128) 40 at rank 1
 #   and 88 at rank 4, against 70 and 148 a matrix at a time (the forms before) and 296 and 362 for ``M Q``
