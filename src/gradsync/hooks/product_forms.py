@@ -8,11 +8,11 @@ on the rank and the size: ``P = M Q`` at rank 4 through transposed operands, ``(
 a third (AVX512), on the same stacks (benchmarks/results/2026-12-07-product-forms*.md). A rule
 fixed on one machine gives that away on another. So the products that stay on this rank -- ``P =
 M Q``, ``Q = M^T P`` and the error-feedback residual ``M -= P Q^T`` -- can be issued in the form that
-timed fastest here (off by default, below): the second call with a new (product, stack shape, rank, dtype) times each form
-on scratch copies of its operands (a few milliseconds, once per shape; again only if the form slows
-down a great deal on later data: [Note: a form that slows down on the data]), and a form other than
-the listed default (low_rank.py's) is kept only if it beat the default by ``MARGIN``, so that timing
-noise does not pick between near-equals.
+timed fastest here (off by default, below): the second call with a new (product, stack shape, rank,
+dtype) times each form on scratch copies of its operands (a few milliseconds, once per shape; again
+only if the form slows down a great deal on later data: [Note: a form that slows down on the data]),
+and a form other than the listed default (low_rank.py's) is kept only if it beat the default by
+``MARGIN``, so that timing noise does not pick between near-equals.
 
 What is never chosen this way: the output ``P Q^T``. Every rank computes it from the same summed
 ``P`` and ``Q`` and must write the same bits, or the replicas drift apart; it keeps its fixed form
