@@ -37,7 +37,7 @@ import gradsync
 from benchmarks.lib import launch
 from benchmarks.lib.common import processor, report_path, revision
 from gradsync.hooks import low_rank
-from gradsync.hooks.product_forms import ProductForms
+from gradsync.hooks.product_forms import FORMS, ProductForms
 
 # (k, rows, cols): stacks as the grid's models give them (decoders of width 128-512, MLPs of many small
 # layers, the conv net's 3 x 3 kernels read as rows x 9 * channels), small to large.
@@ -125,33 +125,20 @@ def four_ways(
     return forms
 
 
+# The plain and transposed forms are the hook's own (src/gradsync/hooks/product_forms.py's FORMS; the transposed
+# products are low_rank.py's defaults), so that what is timed here is what the hook would run.
 def projection_forms(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> dict[str, Form]:
-    def plain(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> None:
-        torch.matmul(m, q, out=p)
-
-    def transposed(m: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> None:
-        p.copy_(t(torch.matmul(t(q), t(m))))
-
+    plain, transposed = FORMS["project"]["M Q"], low_rank.project
     return four_ways(lambda: chooser.project(m, q, p), ("M Q", plain), ("(Q^T M^T)^T", transposed), m, q, p)
 
 
 def back_projection_forms(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> dict[str, Form]:
-    def plain(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-        torch.matmul(t(m), p, out=q)
-
-    def transposed(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-        q.copy_(t(torch.matmul(t(p), m)))
-
+    plain, transposed = FORMS["back_project"]["M^T P"], low_rank.back_project
     return four_ways(lambda: chooser.back_project(m, p, q), ("M^T P", plain), ("(P^T M)^T", transposed), m, p, q)
 
 
 def residual_forms(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> dict[str, Form]:
-    def plain(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-        m.baddbmm_(p, t(q), alpha=-1)
-
-    def transposed(m: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-        t(m).baddbmm_(q, t(p), alpha=-1)
-
+    plain, transposed = FORMS["subtract_product"]["M -= P Q^T"], FORMS["subtract_product"]["M^T -= Q P^T"]
     return {
         "gradsync": lambda: chooser.subtract_product(m, p, q),
         "M -= P Q^T batched": lambda: plain(m, p, q),
