@@ -66,15 +66,25 @@ def test_default_caps_are_torch_s_unless_communication_overlaps() -> None:
     assert default_bucket_caps(None, None, ADAPT_MIN_BYTES - 1) == torch_caps
 
 
-def _buckets_after_rebuild(hook: str, user_cap_mb: float | None, static_later: bool = False, width: int = 256) -> int:
-    """Buckets after iteration 1's rebuild, with the default's caps as a slow link makes them."""
+def _buckets_after_rebuild(
+    hook: str | None,
+    user_cap_mb: float | None,
+    static_later: bool = False,
+    width: int = 256,
+    link: str = "1gbit",
+    options: dict[str, object] | None = None,
+) -> int:
+    """Buckets after iteration 1's rebuild, with the default's caps as ``link`` makes them: a slow link
+    cuts them small, loopback keeps torch's (1 MiB first)."""
     rank, world = rank_world()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, width), nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, 4))
+    verdict = [MIN_CAP] if link == "1gbit" else [MIB, 25 * MIB]
     original = caps_module.default_bucket_caps
-    caps_module.default_bucket_caps = lambda group, device, total: [MIN_CAP]  # the verdict of a 1 Gbit/s link
+    caps_module.default_bucket_caps = lambda group, device, total: verdict
     try:
-        ddp = DDP(model) if user_cap_mb is None else DDP(model, bucket_cap_mb=user_cap_mb)
+        kwargs = dict(options or {}) if user_cap_mb is None else {**(options or {}), "bucket_cap_mb": user_cap_mb}
+        ddp = DDP(model, **kwargs)
     finally:
         caps_module.default_bucket_caps = original
     if hook == "powersgd":
@@ -98,3 +108,19 @@ def test_a_compressing_hook_gets_one_bucket_under_the_link_default() -> None:
     assert min(run_distributed(_buckets_after_rebuild, 2, "allreduce", None)) >= 3  # the link's 256 KiB caps
     assert min(run_distributed(_buckets_after_rebuild, 2, "powersgd", 0.25)) >= 3  # caps the user chose stay
     assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None, True) == [1, 1]  # _set_static_graph after
+
+
+def test_a_compressing_hook_gets_one_bucket_under_torch_s_default_caps_on_a_cpu() -> None:
+    """[Note: caps under a compressing hook]: on loopback (torch's caps) PowerSGD's second bucket is a
+    second round of products and all-reduces that cannot overlap backward on a CPU: one bucket."""
+    # 2.1 MiB: torch's caps cut it in two (1 MiB first)
+    assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None, False, 512, "loopback") == [1, 1]
+    assert run_distributed(_buckets_after_rebuild, 2, "allreduce", None, False, 512, "loopback") == [2, 2]
+    assert run_distributed(_buckets_after_rebuild, 2, None, None, False, 512, "loopback") == [2, 2]  # no hook
+    # without the construction's agreement the default is torch's, unprobed: one bucket all the same
+    unsynced = {"init_sync": False}
+    assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None, False, 512, "loopback", unsynced) == [1, 1]
+    # caps the user chose stay
+    assert min(run_distributed(_buckets_after_rebuild, 2, "powersgd", 1.0, False, 512, "loopback")) >= 2
+    torch_layout = {"bucket_cap_mb_list": [1, 25]}
+    assert run_distributed(_buckets_after_rebuild, 2, "powersgd", None, False, 512, "loopback", torch_layout) == [2, 2]

@@ -166,8 +166,15 @@ def prefers_few_buckets(hook_state: object) -> bool:
     (``prefers_few_buckets``), and the default then puts the whole model in one bucket from the
     rebuild after iteration 0 on, as torch's ``powerSGD_hook`` must run on gloo. Against torch's two
     caps, same run, 1 Gbit/s, PowerSGD rank 1: 0.92-0.98x the step on five decoders, 1.00 on the conv
-    net (benchmarks/results/2026-12-06-ab-powersgd-one-bucket-1gbit.md). On a CPU the compression
-    cannot overlap backward anyway (each rank has one core). Caps the user chose are never changed.
+    net (benchmarks/results/2026-12-06-ab-powersgd-one-bucket-1gbit.md).
+
+    The same holds where the default keeps torch's caps (plain loopback, a fast link, a model too small
+    to probe): torch's 1 MiB first bucket is a second round of products and all-reduces that cannot
+    overlap backward on a CPU (each rank has one core), and one bucket took 1-7 ms less a step on
+    loopback (2026-12-07-ab-powersgd-one-bucket-loopback.md). So on a CPU every default layout becomes
+    one bucket under such a hook. On a GPU the hook's products could run beside backward; untested, so
+    GPUs keep the default's caps. Caps the user chose (``bucket_cap_mb``, ``bucket_cap_mb_list``,
+    "auto") are never changed.
     """
     return bool(getattr(hook_state, "prefers_few_buckets", False))
 
@@ -175,11 +182,6 @@ def prefers_few_buckets(hook_state: object) -> bool:
 def one_bucket_caps() -> list[int]:
     """A cap no model reaches: every gradient in one bucket."""
     return [1 << 62]
-
-
-def torch_default_caps() -> list[int]:
-    """torch's layout: a 1 MiB first bucket, then 25 MiB."""
-    return bucket_caps_bytes(None, None)
 
 
 def default_bucket_caps(group: dist.ProcessGroup, device: torch.device, total_bytes: int) -> list[int]:
@@ -215,14 +217,17 @@ def starting_caps(
     device: torch.device,
     total_bytes: int,
 ) -> tuple[list[int], bool]:
-    """The caps a wrapper starts with, and whether they are the default's cut for a slow link.
+    """The caps a wrapper starts with, and whether they are the default's on a CPU (which a compressing
+    hook may replace: [Note: caps under a compressing hook]).
 
     ``requested``: the resolved argument (None: "auto", measured here); caps the user chose are kept.
     ``agreed``: every rank was checked to hold the same parameters, so the default may probe the link
     (every rank must decide alike, on the same total); unchecked, the default is torch's."""
     if requested is None:
         return auto_bucket_caps(group, device, total_bytes), False
-    if user_chose or not agreed:
+    on_cpu = device.type == "cpu"
+    if user_chose:
         return requested, False
-    caps = default_bucket_caps(group, device, total_bytes)
-    return caps, caps != torch_default_caps()
+    if not agreed:
+        return requested, on_cpu
+    return default_bucket_caps(group, device, total_bytes), on_cpu

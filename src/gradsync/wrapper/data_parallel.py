@@ -110,11 +110,11 @@ class DataParallelWrapper(nn.Module, Joinable):
             self._broadcast_module_state(self._authoritative_rank(), include_buffers=init_sync_buffers)
         user_chose = bucket_cap_mb is not None or bucket_cap_mb_list is not None
         total = sum(p.numel() * p.element_size() for _, p in named_params)
-        caps, cut_for_link = starting_caps(
+        caps, default_caps_on_cpu = starting_caps(
             caps, user_chose, init_sync, self.process_group, named_params[0][1].device, total
         )
         # what every engine gets, the first and any rebuilt one ([Note: what a rebuilt engine keeps])
-        self._settings = EngineSettings(self._checks, cut_for_link)
+        self._settings = EngineSettings(self._checks, default_caps_on_cpu)
         reduce_dtype = None if self._mixed_precision is None else self._mixed_precision.reduce_dtype
         self._config = options.reducer_config(
             module,

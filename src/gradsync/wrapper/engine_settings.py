@@ -22,11 +22,11 @@ from .bucket_caps import one_bucket_caps, prefers_few_buckets
 class EngineSettings:
     """The settings of one wrapper's engine that outlive the engine."""
 
-    def __init__(self, checks: AgreementChecks, caps_cut_for_link: bool) -> None:
+    def __init__(self, checks: AgreementChecks, default_caps_on_cpu: bool) -> None:
         self.checks: AgreementChecks | None = checks  # its desync detector, when switched on
         self.fused_optimizer: FusedOptimizer | None = None
         self.timeline: Timeline | None = None  # where gradsync.trace collects
-        self.caps_cut_for_link = caps_cut_for_link  # the default's caps were cut for a slow link
+        self.default_caps_on_cpu = default_caps_on_cpu  # the caps are the default's (not the user's), on a CPU
 
     def __getstate__(self) -> dict[str, object]:
         """Pickled with the wrapper: the checks and the trace are per process (the checks are off on load;
@@ -45,7 +45,7 @@ class EngineSettings:
         return engine
 
     def caps_for_hook(self, engine: Reducer, state: object) -> None:
-        """[Note: caps under a compressing hook]: the default's caps cut for a slow link become one
-        bucket under a hook that sends little; the rebuild after iteration 0 uses them."""
-        if self.caps_cut_for_link and prefers_few_buckets(state):
+        """[Note: caps under a compressing hook]: the default's caps on a CPU become one bucket under a
+        hook that sends little; the rebuild after iteration 0 uses them."""
+        if self.default_caps_on_cpu and prefers_few_buckets(state):
             engine.layout.caps = one_bucket_caps()
