@@ -39,6 +39,7 @@ from gradsync.hooks import (
     powersgd_hook,
     topk_hook,
 )
+from gradsync.hooks.denormals import flushed_denormals, flushing_denormals
 from gradsync.hooks.low_rank import orthonormalise
 from gradsync.hooks.matrix_groups import matrix_shape
 from gradsync.hooks.powersgd import _square_ish
@@ -95,6 +96,28 @@ def test_orthonormalise_survives_zero_and_half_precision() -> None:
     half = torch.randn(6, 2, generator=torch.Generator().manual_seed(1)).bfloat16()
     orthonormalise(half)
     assert torch.allclose((half.T @ half).float(), torch.eye(2), atol=2e-2)
+
+
+DENORMAL = 1e-39  # below fp32's smallest normal number, 1.2e-38
+
+
+def test_flushed_denormals_restores_the_thread_s_own_setting() -> None:
+    """[Note: denormals in a low-rank round]: flushed inside, the thread's setting after, either way."""
+    tiny = torch.full((4,), DENORMAL)
+    cpu = torch.device("cpu")
+    for users_setting in (False, True):
+        torch.set_flush_denormal(users_setting)
+        try:
+            with flushed_denormals(cpu):
+                assert flushing_denormals() and torch.equal(tiny * 1.0, torch.zeros(4))
+            assert flushing_denormals() is users_setting
+            with pytest.raises(ValueError), flushed_denormals(cpu):  # restored on an exception too
+                raise ValueError
+            assert flushing_denormals() is users_setting
+        finally:
+            torch.set_flush_denormal(False)
+    with flushed_denormals(torch.device("meta")):  # not the CPU: nothing switched
+        assert not flushing_denormals() and bool((tiny * 1.0 > 0).all())
 
 
 def test_bucket_memory_forgets_a_bucket_whose_parameters_changed() -> None:
@@ -248,6 +271,34 @@ def _assert_rank_r_projection(approx: torch.Tensor, target: torch.Tensor, r: int
 
 def test_powersgd_matches_hand_reference() -> None:
     run_distributed(_check_powersgd, W)
+
+
+def _check_powersgd_flushes_denormals(users_setting: bool) -> None:
+    """[Note: denormals in a low-rank round]: the round computes denormal entries as zero (the rest as
+    before), on every rank alike, and leaves the calling thread's own setting as it was."""
+    rank = dist.get_rank()
+    torch.set_flush_denormal(users_setting)
+    try:
+        make = Buckets()
+        state = PowerSGDState(None, start_iter=2)
+        for step in range(2):  # plain all-reduce before start_iter: exact, denormals included
+            grad = _grad(step, rank) * DENORMAL
+            got = _run(powersgd_hook, state, make(grad))
+            if not users_setting:
+                assert bool((got != 0).all()) and torch.equal(got, sum(_grad(step, r) * DENORMAL / W for r in range(W)))
+        tiny = _grad(2, rank) * DENORMAL  # every entry denormal: vectors and matrices
+        got = _run(powersgd_hook, state, make(tiny))
+        assert torch.equal(got, torch.zeros_like(got)), "a denormal entry was computed, not flushed"
+        assert flushing_denormals() is users_setting, "the hook changed this thread's setting"
+        _assert_powersgd_of_mean(_run(powersgd_hook, state, make(_grad(3, rank))), 3)  # normal numbers: as before
+        assert all(torch.equal(got, other) for other in _everyone(got))
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("users_setting", [False, True], ids=["user_keeps_denormals", "user_flushes"])
+def test_powersgd_flushes_denormals(users_setting: bool) -> None:
+    run_distributed(_check_powersgd_flushes_denormals, W, users_setting)
 
 
 # Same-shaped matrices interleaved with vectors: powersgd_hook stacks the three 6 x 4 ones

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.grad_bucket import GradBucket
+from .denormals import flushed_denormals
 
 
 def orthonormalise(p: torch.Tensor) -> None:
@@ -162,8 +163,9 @@ class LowRankRound:
             self.carried.copy_(passenger)  # type: ignore[arg-type]  # carried only with a passenger
         self.q_flat = initial_q(state, bucket, sum(k * a * b for k, a, b in q_shapes), like)
         self.ps, self.qs = views(self.p_flat, p_shapes), views(self.q_flat, q_shapes)
-        for m, p, q in zip(matrices, self.ps, self.qs):
-            state.forms.project(m, q, p)
+        with flushed_denormals(like.device):  # [Note: denormals in a low-rank round]
+            for m, p, q in zip(matrices, self.ps, self.qs):
+                state.forms.project(m, q, p)
         state.wire.add_all_reduce(self.p_flat)
         self.p_work = dist.all_reduce(self.p_flat, group=state.process_group, async_op=True)
 
@@ -172,12 +174,13 @@ class LowRankRound:
         state = self.state
         try:
             self.p_work.wait()
-            for p in self.ps:
-                orthonormalise(p)
-            for m, p, q in zip(self.matrices, self.ps, self.qs):
-                state.forms.back_project(m, p, q)  # overwrites the Q the P came from (warm start keeps it)
-                if state.use_error_feedback:
-                    state.forms.subtract_product(m, p, q)
+            with flushed_denormals(self.q_flat.device):  # [Note: denormals in a low-rank round]
+                for p in self.ps:
+                    orthonormalise(p)
+                for m, p, q in zip(self.matrices, self.ps, self.qs):
+                    state.forms.back_project(m, p, q)  # overwrites the Q the P came from (warm start keeps it)
+                    if state.use_error_feedback:
+                        state.forms.subtract_product(m, p, q)
             state.wire.add_all_reduce(self.q_flat)
             q_future = dist.all_reduce(self.q_flat, group=state.process_group, async_op=True).get_future()
         except Exception as error:  # noqa: BLE001 - handed to whoever waits for the bucket
@@ -191,6 +194,8 @@ class LowRankRound:
     def _complete(self, q_future: torch.futures.Future[Any]) -> None:
         try:
             q_future.value()  # re-raises a failed all-reduce
-            self.result.set_result(self.write(self.ps, self.qs, self.carried))
+            with flushed_denormals(self.q_flat.device):  # on whichever thread: [Note: denormals in a low-rank round]
+                written = self.write(self.ps, self.qs, self.carried)
+            self.result.set_result(written)
         except Exception as error:  # noqa: BLE001 - handed to whoever waits for the bucket
             self.result.set_exception(error)  # type: ignore[arg-type]  # as in finish

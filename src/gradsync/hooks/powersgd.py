@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from ..engine.grad_bucket import GradBucket
 from .allreduce import allreduce_future
+from .denormals import flushed_denormals
 from .low_rank import LowRankRound
 from .matrix_groups import MatrixGroups, plan
 from .memory import BucketMemory
@@ -311,15 +312,16 @@ def _working_memory(
     See [Note: the scale of M], [Note: the error memory is the working matrix] and
     [Note: matrices stacked by shape] (matrix_groups.py).
     """
-    if not state.use_error_feedback:
-        return groups.fresh_memory(buffer, state.world_size)
-    error = state.errors.lookup(bucket)
-    if error is None or error.shape != buffer.shape:
-        error = groups.fresh_memory(buffer, state.world_size)
-        state.errors.store(bucket, error)
-    else:
-        groups.to_memory(error, buffer, 1.0 / state.world_size)
-    return error
+    with flushed_denormals(buffer.device):  # [Note: denormals in a low-rank round] in denormals.py
+        if not state.use_error_feedback:
+            return groups.fresh_memory(buffer, state.world_size)
+        error = state.errors.lookup(bucket)
+        if error is None or error.shape != buffer.shape:
+            error = groups.fresh_memory(buffer, state.world_size)
+            state.errors.store(bucket, error)
+        else:
+            groups.to_memory(error, buffer, 1.0 / state.world_size)
+        return error
 
 
 # ---------------------------------------------------------------------- batched hook
@@ -355,8 +357,9 @@ def batched_powersgd_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
         return _plain(state, bucket)
     state._settle_before(bucket)
     padded = buffer.new_zeros(rows * cols)
-    padded[:n].copy_(buffer).div_(state.world_size)  # see [Note: the scale of M]
-    _add_error(state, bucket, padded[:n])
+    with flushed_denormals(buffer.device):  # [Note: denormals in a low-rank round] in denormals.py
+        padded[:n].copy_(buffer).div_(state.world_size)  # see [Note: the scale of M]
+        _add_error(state, bucket, padded[:n])
     matrix = padded.view(rows, cols)
 
     def write(ps: list[torch.Tensor], qs: list[torch.Tensor], _: torch.Tensor | None) -> torch.Tensor:
