@@ -170,8 +170,9 @@ def prefers_few_buckets(hook_state: object) -> bool:
 
     The same holds where the default keeps torch's caps (plain loopback, a fast link, a model too small
     to probe): torch's 1 MiB first bucket is a second round of products and all-reduces that cannot
-    overlap backward on a CPU (each rank has one core), and one bucket took 1-7 ms less a step on
-    loopback (2026-12-07-ab-powersgd-one-bucket-loopback.md). So on a CPU every default layout becomes
+    overlap backward on a CPU (each rank has one core): one bucket took 0.90-0.99x the step on loopback
+    and 0.84-0.98x at 10 Gbit/s on models of 1-25 MiB (benchmarks/results/2026-12-07-ab-powersgd-one-bucket-*.md,
+    same-run A/Bs against torch's caps). So on a CPU every default layout becomes
     one bucket under such a hook. On a GPU the hook's products could run beside backward; untested, so
     GPUs keep the default's caps. Caps the user chose (``bucket_cap_mb``, ``bucket_cap_mb_list``,
     "auto") are never changed.
